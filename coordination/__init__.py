@@ -1,0 +1,1 @@
+"""Coordination: participant order, the Coordinator actor, the handle, the CLI."""

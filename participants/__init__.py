@@ -1,0 +1,1 @@
+"""Participants of every kind and the reference Gym servers."""

@@ -1,0 +1,230 @@
+"""Failure reasons as data: one root exception, one reason enum.
+
+Every rejection a participant or the coordinator makes carries a `Reason`: a
+stable string code (what goes on the wire), the HTTP status the control routes
+answer with, and whether retrying the same call later can succeed.  The codes
+and statuses match NeMo Gym's checkpoint control plane so that a controller
+written for its participants can drive ours.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+
+class Reason(StrEnum):
+    """Why a control or data call was refused; the value is the wire code."""
+
+    UNAUTHORIZED = "unauthorized"
+    INVALID_REQUEST = "invalid_request"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    NOT_FOUND = "not_found"
+    STALE_CHECKPOINT = "stale_checkpoint"
+    CHECKPOINT_CONFLICT = "checkpoint_conflict"
+    INVALID_PHASE = "invalid_phase"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    STALE_ATTEMPT = "stale_attempt"
+    ADMISSION_CLOSED = "admission_closed"
+    ROLLOUT_ID_REQUIRED = "rollout_id_required"
+    RESTART_IN_SCOPE = "restart_in_scope"
+    INVALID_CHECKPOINT_STATE = "invalid_checkpoint_state"
+    PARTICIPANT_UNAVAILABLE = "participant_unavailable"
+    COORDINATION_FAILED = "coordination_failed"
+
+    @property
+    def http_status(self) -> int:
+        return _HTTP_STATUS[self]
+
+    @property
+    def retryable(self) -> bool:
+        return self in _RETRYABLE
+
+
+_HTTP_STATUS: dict[Reason, int] = {
+    Reason.UNAUTHORIZED: 401,
+    Reason.INVALID_REQUEST: 400,
+    Reason.PAYLOAD_TOO_LARGE: 413,
+    Reason.NOT_FOUND: 404,
+    Reason.STALE_CHECKPOINT: 409,
+    Reason.CHECKPOINT_CONFLICT: 409,
+    Reason.INVALID_PHASE: 409,
+    Reason.DEADLINE_EXCEEDED: 409,
+    Reason.STALE_ATTEMPT: 409,
+    Reason.ADMISSION_CLOSED: 409,
+    Reason.ROLLOUT_ID_REQUIRED: 400,
+    Reason.RESTART_IN_SCOPE: 409,
+    Reason.INVALID_CHECKPOINT_STATE: 422,
+    Reason.PARTICIPANT_UNAVAILABLE: 503,
+    Reason.COORDINATION_FAILED: 502,
+}
+
+# Retrying the same call can succeed: the deadline was too short, admission
+# reopens at resume, or a participant comes back.  Fencing and validation
+# failures never heal by themselves.
+_RETRYABLE = frozenset(
+    {
+        Reason.DEADLINE_EXCEEDED,
+        Reason.ADMISSION_CLOSED,
+        Reason.PARTICIPANT_UNAVAILABLE,
+    }
+)
+
+
+class CheckpointError(Exception):
+    """Root of every error ray-ckpt raises on purpose."""
+
+    reason: Reason = Reason.INVALID_REQUEST
+
+    def __init__(self, detail: str, *, reason: Reason | None = None) -> None:
+        super().__init__(detail)
+        if reason is not None:
+            self.reason = reason
+        self.detail = detail
+
+    @property
+    def code(self) -> str:
+        return self.reason.value
+
+    @property
+    def http_status(self) -> int:
+        return self.reason.http_status
+
+    @property
+    def retryable(self) -> bool:
+        return self.reason.retryable
+
+    def to_body(self) -> dict[str, Any]:
+        """The JSON body every rejection carries on the wire."""
+        return {"error": {"code": self.code, "detail": self.detail}}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Ray pickles exceptions raised in actors; keep the reason across the hop.
+        return (error_from_code, (self.code, self.detail))
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.detail}"
+
+
+class Unauthorized(CheckpointError):
+    reason = Reason.UNAUTHORIZED
+
+
+class InvalidRequest(CheckpointError, ValueError):
+    # Also a ValueError so msgspec turns it into a ValidationError on decode.
+    reason = Reason.INVALID_REQUEST
+
+
+class StaleCheckpoint(CheckpointError):
+    reason = Reason.STALE_CHECKPOINT
+
+
+class CheckpointConflict(CheckpointError):
+    reason = Reason.CHECKPOINT_CONFLICT
+
+
+class InvalidPhase(CheckpointError):
+    reason = Reason.INVALID_PHASE
+
+
+class DeadlineExceeded(CheckpointError):
+    reason = Reason.DEADLINE_EXCEEDED
+
+
+class StaleAttempt(CheckpointError):
+    reason = Reason.STALE_ATTEMPT
+
+
+class AdmissionClosed(CheckpointError):
+    reason = Reason.ADMISSION_CLOSED
+
+
+class RolloutIdRequired(CheckpointError):
+    reason = Reason.ROLLOUT_ID_REQUIRED
+
+
+class RestartInScope(CheckpointError):
+    reason = Reason.RESTART_IN_SCOPE
+
+
+class InvalidCheckpointState(CheckpointError):
+    reason = Reason.INVALID_CHECKPOINT_STATE
+
+
+class NotFound(CheckpointError):
+    reason = Reason.NOT_FOUND
+
+
+class ParticipantUnavailable(CheckpointError):
+    reason = Reason.PARTICIPANT_UNAVAILABLE
+
+
+class CoordinationFailed(CheckpointError):
+    """A coordinated phase failed; `failures` names each participant and why."""
+
+    reason = Reason.COORDINATION_FAILED
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        operation: str = "",
+        failures: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
+        super().__init__(detail)
+        self.operation = operation
+        self.failures = failures or {}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_coordination_failed, (self.detail, self.operation, self.failures))
+
+    def to_body(self) -> dict[str, Any]:
+        body = super().to_body()
+        body["error"]["operation"] = self.operation
+        body["error"]["failures"] = self.failures
+        return body
+
+
+_BY_REASON: dict[Reason, type[CheckpointError]] = {
+    cls.reason: cls
+    for cls in (
+        Unauthorized,
+        InvalidRequest,
+        StaleCheckpoint,
+        CheckpointConflict,
+        InvalidPhase,
+        DeadlineExceeded,
+        StaleAttempt,
+        AdmissionClosed,
+        RolloutIdRequired,
+        RestartInScope,
+        InvalidCheckpointState,
+        NotFound,
+        ParticipantUnavailable,
+    )
+}
+
+
+def error_from_code(code: str, detail: str) -> CheckpointError:
+    """Rebuild the typed error for a wire code (unknown codes keep their text)."""
+    try:
+        reason = Reason(code)
+    except ValueError:
+        return CheckpointError(f"{code}: {detail}")
+    if reason is Reason.COORDINATION_FAILED:
+        return CoordinationFailed(detail)
+    return _BY_REASON.get(reason, CheckpointError)(detail, reason=reason)
+
+
+def _coordination_failed(
+    detail: str, operation: str, failures: dict[str, dict[str, Any]]
+) -> CoordinationFailed:
+    return CoordinationFailed(detail, operation=operation, failures=failures)
+
+
+def error_from_body(status: int, body: Any) -> CheckpointError:
+    """The typed error for a `{"error": {"code", "detail"}}` reply."""
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        err = body["error"]
+        return error_from_code(str(err.get("code", "")), str(err.get("detail", "")))
+    return CheckpointError(f"HTTP {status}: {body!r}"[:500])

@@ -1,0 +1,74 @@
+"""The participant hooks: what one kind of Gym server implements.
+
+The controller (phase machine, fencing, lease, storage) is the same for every
+server; a participant supplies what only its kind knows: how to close and open
+admission, whether its live executions are at a boundary, what to export for
+a scope, how to install restored records under attempt + 1, and how to stop
+and free an attempt.  Participants call the `notify` callback the controller
+hands them whenever readiness may have changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+from ray_ckpt.identity import EpisodeId
+from ray_ckpt.records import Record
+from ray_ckpt.wire import PrepareReport
+
+KINDS = ("environment", "policy_model", "agent", "resources")
+
+
+@runtime_checkable
+class Participant(Protocol):
+    kind: str
+
+    def bind(self, notify: Callable[[], None]) -> None:
+        """Receive the controller's change callback (called once, at install)."""
+        ...
+
+    def close_admission(self) -> None:
+        """Stop admitting new executions (they wait or are refused until open)."""
+        ...
+
+    def open_admission(self) -> None:
+        """Reopen admission; parked work continues."""
+        ...
+
+    def ready(self) -> bool:
+        """Cheap: is every live execution at a boundary?"""
+        ...
+
+    def report(self, limit: int) -> PrepareReport:
+        """Readiness with blockers (at most `limit` listed; the count is full)."""
+        ...
+
+    def live_executions(self) -> int:
+        ...
+
+    def fresh(self) -> bool:
+        """True in a process that has not served any execution (restore needs it)."""
+        ...
+
+    async def export(self, scope: Sequence[EpisodeId] | None) -> list[Record]:
+        """Records for the episodes to continue (all live ones when scope is None)."""
+        ...
+
+    async def install(self, records: Sequence[Record]) -> list[EpisodeId]:
+        """Validate every record, then install each under attempt + 1.
+
+        Installs nothing if any record is invalid; returns the next attempts.
+        """
+        ...
+
+    async def retire(self, episode_ids: Sequence[EpisodeId]) -> list[str]:
+        """Stop every attempt <= the given one of each rollout, wait, free.
+
+        Returns the capture keys of what was stopped or freed.
+        """
+        ...
+
+    async def delete_restored(self, keep: Sequence[EpisodeId]) -> list[str]:
+        """Free restored-but-unclaimed state whose next attempt is not in `keep`."""
+        ...

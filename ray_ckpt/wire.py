@@ -1,0 +1,120 @@
+"""Control-plane wire types: frozen msgspec Structs, decoders built once.
+
+Request bodies match NeMo Gym's control routes: unknown fields are refused,
+`checkpoint_id` follows the ID pattern (1-128 chars) and `deadline_ts` is the
+absolute Unix-epoch deadline of the call.  New fields get defaults.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any
+
+import msgspec
+
+from ray_ckpt.errors import DeadlineExceeded, InvalidRequest
+from ray_ckpt.identity import ID_PATTERN, MAX_ID_LENGTH, EpisodeId, RolloutIdStr
+
+CheckpointIdStr = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=MAX_ID_LENGTH, pattern=ID_PATTERN)
+]
+PathStr = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+
+MAX_REPORTED_BLOCKERS = 100
+
+
+class CheckpointRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """prepare, renew, resume."""
+
+    checkpoint_id: CheckpointIdStr
+    deadline_ts: float
+
+    def __post_init__(self) -> None:
+        if isinstance(self.deadline_ts, bool) or not math.isfinite(self.deadline_ts):
+            raise InvalidRequest("deadline_ts must be a finite number of epoch seconds")
+
+    def remaining(self, now: float) -> float:
+        """Seconds left before the deadline; raises once it has passed."""
+        left = self.deadline_ts - now
+        if left <= 0:
+            raise DeadlineExceeded(
+                f"deadline of checkpoint {self.checkpoint_id} passed {-left:.3f}s ago"
+            )
+        return left
+
+
+class CommitRequest(CheckpointRequest, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    checkpoint_dir: PathStr
+    # The commit scope: every episode the controller continues, including a
+    # restored episode whose replacement has not started (by that attempt).
+    episode_ids: list[EpisodeId] | None = None
+    # The controller stops instead of resuming: free external compute once durable.
+    stop: bool = False
+
+
+class RestoreRequest(CheckpointRequest, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    checkpoint_dir: PathStr
+    episode_ids: list[EpisodeId]
+
+
+class RetireRequest(CheckpointRequest, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    episode_ids: Annotated[list[EpisodeId], msgspec.Meta(min_length=1)]
+
+
+class ForgetRequest(CheckpointRequest, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    rollout_ids: Annotated[list[RolloutIdStr], msgspec.Meta(min_length=1)]
+
+
+REQUEST_TYPES: dict[str, type[CheckpointRequest]] = {
+    "prepare": CheckpointRequest,
+    "renew": CheckpointRequest,
+    "resume": CheckpointRequest,
+    "commit": CommitRequest,
+    "restore": RestoreRequest,
+    "retire": RetireRequest,
+    "forget": ForgetRequest,
+}
+OPERATIONS = tuple(REQUEST_TYPES)
+
+_JSON_DECODERS = {op: msgspec.json.Decoder(t) for op, t in REQUEST_TYPES.items()}
+
+
+def decode_request(op: str, body: bytes | str | dict[str, Any]) -> CheckpointRequest:
+    """Decode and validate a request body; raises `InvalidRequest`."""
+    if op not in REQUEST_TYPES:
+        raise InvalidRequest(f"unknown control operation {op!r}")
+    try:
+        if isinstance(body, dict):
+            return msgspec.convert(body, REQUEST_TYPES[op], strict=True)
+        return _JSON_DECODERS[op].decode(body)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"{op}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"{op}: malformed JSON body: {exc}") from None
+
+
+# --- replies -----------------------------------------------------------------
+
+
+class Blocker(msgspec.Struct, frozen=True, kw_only=True):
+    """One execution that keeps a participant from being ready."""
+
+    key: str  # capture key (or a label for non-episode work)
+    state: str  # running, wait_step, retiring, streaming, ...
+    step: int | None = None
+    mode: str | None = None
+    running_s: float | None = None
+    detail: str = ""
+
+
+class PrepareReport(msgspec.Struct, frozen=True, kw_only=True):
+    ready: bool
+    blockers: list[Blocker] = msgspec.field(default_factory=list)
+    blocker_count: int = 0
+    counts: dict[str, int] = msgspec.field(default_factory=dict)
+    restarts: list[str] = msgspec.field(default_factory=list)
+
+
+def to_builtins(value: Any) -> Any:
+    """Structs to plain dicts/lists for JSON replies and Ray returns."""
+    return msgspec.to_builtins(value)
