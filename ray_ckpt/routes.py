@@ -1,0 +1,302 @@
+"""The bearer-protected control routes, for aiohttp apps and ASGI apps.
+
+`GET {prefix}/status` and `POST {prefix}/{op}` for every control operation.
+Both fronts share one order of checks, so a rejected call never reaches the
+controller: auth first (before any body byte is read), then the body size,
+then the controller, which validates the body itself.  Every rejection is a
+JSON `{"error": {"code", "detail"}}` body with the reason's HTTP status.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any, Protocol
+
+import orjson
+from aiohttp import web
+
+from ray_ckpt.errors import CheckpointError, Reason
+from ray_ckpt.settings import CheckpointSettings
+from ray_ckpt.wire import OPERATIONS
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_ROUTE_PREFIX = "/ng-control/v1/checkpoint"
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+_READ_CHUNK = 64 * 1024
+
+
+class ControlTarget(Protocol):
+    """What the routes drive: the participant controller, or a forwarder to it."""
+
+    async def handle(self, op: str, body: bytes | dict[str, Any]) -> dict[str, Any]: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+CONTROL_TARGET_KEY = web.AppKey("ray_ckpt_control_target", ControlTarget)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+def _rejection(reason: Reason, detail: str) -> tuple[int, bytes]:
+    return reason.http_status, orjson.dumps({"error": {"code": reason.value, "detail": detail}})
+
+
+class _Gate:
+    """The transport-free part: auth check, size limit, dispatch and error mapping."""
+
+    def __init__(self, target: ControlTarget, token: str, max_body_bytes: int) -> None:
+        if not token:
+            raise ValueError("control routes need a non-empty bearer token")
+        if max_body_bytes <= 0:
+            raise ValueError("max_body_bytes must be positive")
+        self.target = target
+        self.max_body_bytes = max_body_bytes
+        self._expected = f"Bearer {token}".encode()
+
+    def authorized(self, header: bytes | None) -> bool:
+        # Compare the whole header value so "bearer x", "Bearer  x" and
+        # "Bearer x " are all refused, and in constant time.
+        return header is not None and hmac.compare_digest(header, self._expected)
+
+    def declared_too_large(self, content_length: int | None) -> bool:
+        return content_length is not None and content_length > self.max_body_bytes
+
+    def unauthorized(self) -> tuple[int, bytes]:
+        return _rejection(Reason.UNAUTHORIZED, "missing or wrong bearer token")
+
+    def too_large(self) -> tuple[int, bytes]:
+        return _rejection(
+            Reason.PAYLOAD_TOO_LARGE, f"control body exceeds {self.max_body_bytes} bytes"
+        )
+
+    async def status(self) -> tuple[int, bytes]:
+        return await self._run("status", self._status)
+
+    async def call(self, op: str, body: bytes) -> tuple[int, bytes]:
+        return await self._run(op, lambda: self.target.handle(op, body))
+
+    async def _status(self) -> dict[str, Any]:
+        return self.target.status()
+
+    async def _run(
+        self, op: str, work: Callable[[], Awaitable[dict[str, Any]]]
+    ) -> tuple[int, bytes]:
+        try:
+            reply = await work()
+            return 200, orjson.dumps(reply)
+        except CheckpointError as exc:
+            return exc.http_status, orjson.dumps(exc.to_body())
+        except Exception as exc:
+            # A bug or an unserialisable reply: the caller gets a typed 500 and
+            # the operator gets the traceback.
+            log.exception("control operation %s failed unexpectedly", op)
+            detail = f"{type(exc).__name__}: {exc}"[:500]
+            return 500, orjson.dumps({"error": {"code": "internal", "detail": detail}})
+
+
+# --- aiohttp ------------------------------------------------------------------
+
+
+def _json(status: int, body: bytes) -> web.Response:
+    return web.Response(status=status, body=body, content_type="application/json")
+
+
+async def _read_limited(request: web.Request, limit: int) -> bytes:
+    # Read from the stream directly: request.read() applies the app's
+    # client_max_size, which belongs to whoever owns the app, not to us.
+    chunks: list[bytes] = []
+    total = 0
+    async for chunk in request.content.iter_chunked(_READ_CHUNK):
+        total += len(chunk)
+        if total > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _aiohttp_handlers(
+    gate: _Gate,
+) -> tuple[
+    Callable[[web.Request], Awaitable[web.Response]],
+    Callable[[str], Callable[[web.Request], Awaitable[web.Response]]],
+]:
+    def authorized(request: web.Request) -> bool:
+        header = request.headers.get("Authorization")
+        raw = None if header is None else header.encode("utf-8", "surrogateescape")
+        return gate.authorized(raw)
+
+    async def status(request: web.Request) -> web.Response:
+        if not authorized(request):
+            return _json(*gate.unauthorized())
+        return _json(*await gate.status())
+
+    def operation(op: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handler(request: web.Request) -> web.Response:
+            if not authorized(request):
+                return _json(*gate.unauthorized())
+            if gate.declared_too_large(request.content_length):
+                return _json(*gate.too_large())
+            try:
+                body = await _read_limited(request, gate.max_body_bytes)
+            except BodyTooLarge:
+                return _json(*gate.too_large())
+            return _json(*await gate.call(op, body))
+
+        return handler
+
+    return status, operation
+
+
+def install_control_routes(
+    app: web.Application,
+    target: ControlTarget,
+    *,
+    token: str,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> None:
+    """Mount the control routes on `app` (which may serve other routes too)."""
+    gate = _Gate(target, token, max_body_bytes)
+    if CONTROL_TARGET_KEY in app:
+        raise ValueError("control routes are already installed on this app")
+    app[CONTROL_TARGET_KEY] = target
+    status, operation = _aiohttp_handlers(gate)
+    app.router.add_get(f"{CHECKPOINT_ROUTE_PREFIX}/status", status, allow_head=False)
+    for op in OPERATIONS:
+        app.router.add_post(f"{CHECKPOINT_ROUTE_PREFIX}/{op}", operation(op))
+
+
+def control_app(
+    target: ControlTarget, *, token: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> web.Application:
+    """An app serving only the control routes (sidecars and tests)."""
+    app = web.Application()
+    install_control_routes(app, target, token=token, max_body_bytes=max_body_bytes)
+    return app
+
+
+def maybe_install_control_routes(
+    app: web.Application, target: ControlTarget, settings: CheckpointSettings
+) -> bool:
+    """Install the routes only when checkpointing is on; True if installed."""
+    if not settings.enabled:
+        return False
+    install_control_routes(
+        app, target, token=settings.token, max_body_bytes=settings.max_control_body_bytes
+    )
+    return True
+
+
+# --- ASGI ---------------------------------------------------------------------
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+_ASGI_ROUTES: dict[str, tuple[str, str | None]] = {
+    f"{CHECKPOINT_ROUTE_PREFIX}/status": ("GET", None),
+    **{f"{CHECKPOINT_ROUTE_PREFIX}/{op}": ("POST", op) for op in OPERATIONS},
+}
+
+
+class ControlASGIMiddleware:
+    """Answers the control routes in front of an ASGI app (e.g. FastAPI).
+
+    Pure ASGI rather than a framework middleware, so the wrapped app's own
+    middleware never sees, buffers or re-orders control traffic.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        target: ControlTarget,
+        *,
+        token: str,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ) -> None:
+        self.app = app
+        self._gate = _Gate(target, token, max_body_bytes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = _ASGI_ROUTES.get(_route_path(scope)) if scope["type"] == "http" else None
+        if route is None:
+            await self.app(scope, receive, send)
+            return
+        method, op = route
+        if scope["method"] != method:
+            await _send(
+                send,
+                405,
+                b'{"error":{"code":"method_not_allowed","detail":""}}',
+                extra=[(b"allow", method.encode())],
+            )
+            return
+        headers = dict(scope.get("headers") or [])
+        gate = self._gate
+        if not gate.authorized(headers.get(b"authorization")):
+            await _send(send, *gate.unauthorized())
+            return
+        if op is None:
+            await _send(send, *await gate.status())
+            return
+        if gate.declared_too_large(_content_length(headers.get(b"content-length"))):
+            await _send(send, *gate.too_large())
+            return
+        try:
+            body = await _receive_limited(receive, gate.max_body_bytes)
+        except BodyTooLarge:
+            await _send(send, *gate.too_large())
+            return
+        if body is None:
+            return  # the client went away; nobody to answer
+        await _send(send, *await gate.call(op, body))
+
+
+def _route_path(scope: Scope) -> str:
+    path: str = scope.get("path", "")
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root) :]
+    return path
+
+
+def _content_length(raw: bytes | None) -> int | None:
+    try:
+        return None if raw is None else int(raw)
+    except ValueError:
+        return None
+
+
+async def _receive_limited(receive: Receive, limit: int) -> bytes | None:
+    chunks: list[bytes] = []
+    total = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk: bytes = message.get("body", b"")
+        total += len(chunk)
+        if total > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _send(
+    send: Send, status: int, body: bytes, *, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        *(extra or []),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
