@@ -22,7 +22,9 @@ MAX_ID_LENGTH = 128
 
 ROLLOUT_PATH_PREFIX = "ng-rollout"
 
-RolloutIdStr = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LENGTH, pattern=ID_PATTERN)]
+RolloutIdStr = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=MAX_ID_LENGTH, pattern=ID_PATTERN)
+]
 
 
 def validate_rollout_id(rollout_id: str) -> str:
@@ -32,9 +34,7 @@ def validate_rollout_id(rollout_id: str) -> str:
     if len(rollout_id) > MAX_ID_LENGTH:
         raise InvalidRequest(f"rollout id is longer than {MAX_ID_LENGTH} characters")
     if _RESERVED_SUFFIX.search(rollout_id):
-        raise InvalidRequest(
-            f"rollout id {rollout_id!r} ends in the reserved attempt suffix -a<N>"
-        )
+        raise InvalidRequest(f"rollout id {rollout_id!r} ends in the reserved attempt suffix -a<N>")
     return rollout_id
 
 

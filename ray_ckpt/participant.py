@@ -44,8 +44,7 @@ class Participant(Protocol):
         """Readiness with blockers (at most `limit` listed; the count is full)."""
         ...
 
-    def live_executions(self) -> int:
-        ...
+    def live_executions(self) -> int: ...
 
     def fresh(self) -> bool:
         """True in a process that has not served any execution (restore needs it)."""

@@ -1,0 +1,42 @@
+"""Per-rollout refusal marks raised by retire and dropped by forget.
+
+A retire raises the mark before it stops anything and never lowers it: a data
+call that its caller sent just before the caller's own retire can arrive after
+this server's retire finished, and must still be refused (`stale_attempt`).
+`forget` drops the marks of finished rollouts so no table grows with the job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ray_ckpt.errors import StaleAttempt
+from ray_ckpt.identity import EpisodeId
+
+
+class RetiredAttempts:
+    def __init__(self) -> None:
+        self._marks: dict[str, int] = {}
+
+    def mark(self, episode: EpisodeId) -> None:
+        previous = self._marks.get(episode.rollout_id, -1)
+        self._marks[episode.rollout_id] = max(previous, episode.attempt)
+
+    def is_retired(self, episode: EpisodeId) -> bool:
+        mark = self._marks.get(episode.rollout_id)
+        return mark is not None and episode.attempt <= mark
+
+    def check(self, episode: EpisodeId) -> None:
+        """Refuse a data call for a retired attempt."""
+        if self.is_retired(episode):
+            raise StaleAttempt(
+                f"attempt {episode.capture_key} was retired "
+                f"(rollout {episode.rollout_id} retired up to attempt "
+                f"{self._marks[episode.rollout_id]})"
+            )
+
+    def forget(self, rollout_ids: Iterable[str]) -> list[str]:
+        return sorted(r for r in set(rollout_ids) if self._marks.pop(r, None) is not None)
+
+    def __len__(self) -> int:
+        return len(self._marks)
