@@ -1,0 +1,46 @@
+"""Shared fixtures.  One real local Ray cluster per test session, started lazily.
+
+Unit tests never touch Ray; tests that need it take the `ray_session` fixture
+(tests under tests/ray and tests/e2e are marked `ray`).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+# Ray binds 127.0.0.1 only with this set (loopback-only machines).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[str]:
+    """Start one local Ray for the whole session; yields a unique namespace prefix."""
+    import ray
+
+    # Unix socket paths are limited to ~107 chars: keep Ray's temp dir short.
+    tmp = tempfile.mkdtemp(prefix="rc", dir="/tmp")
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        _temp_dir=tmp,
+        namespace="ray-ckpt-tests",
+        logging_level="WARNING",
+        log_to_driver=False,
+    )
+    try:
+        yield f"t{uuid.uuid4().hex[:8]}"
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture
+def namespace(ray_session: str, request: pytest.FixtureRequest) -> str:
+    """A fresh Ray namespace per test so named actors never collide."""
+    return f"{ray_session}-{uuid.uuid4().hex[:8]}"
