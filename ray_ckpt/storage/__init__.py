@@ -1,0 +1,37 @@
+"""Checkpoint storage: records files, participant manifests, the Gym manifest."""
+
+from ray_ckpt.storage.durable import WriteStop
+from ray_ckpt.storage.gym_manifest import (
+    CheckpointReport,
+    GymEntry,
+    GymManifest,
+    ParticipantCheck,
+    read_gym_manifest,
+    verify_checkpoint,
+    write_gym_manifest,
+)
+from ray_ckpt.storage.participant_store import (
+    ParticipantManifest,
+    load_manifest,
+    participant_dir,
+    read_participant,
+    write_participant,
+)
+from ray_ckpt.storage.records_format import FORMAT
+
+__all__ = [
+    "FORMAT",
+    "CheckpointReport",
+    "GymEntry",
+    "GymManifest",
+    "ParticipantCheck",
+    "ParticipantManifest",
+    "WriteStop",
+    "load_manifest",
+    "participant_dir",
+    "read_gym_manifest",
+    "read_participant",
+    "verify_checkpoint",
+    "write_gym_manifest",
+    "write_participant",
+]
