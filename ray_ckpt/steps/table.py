@@ -1,0 +1,355 @@
+"""`EpisodeSteps`: one Gym server's live episodes, admission and park points.
+
+The controller closes admission at prepare and reopens it at resume; between
+the two, every episode must be at a boundary (parked, or inside a replay step)
+for the checkpoint to be ready.  Exported records carry the boundary and the
+index of the next step; a restore installs them under attempt + 1 where the
+replacement attempt claims its boundary exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import heapq
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ray_ckpt.clock import SYSTEM_CLOCK, Clock
+from ray_ckpt.errors import AdmissionClosed, InvalidPhase, InvalidRequest, StaleAttempt
+from ray_ckpt.identity import EpisodeId
+from ray_ckpt.records import Record
+from ray_ckpt.steps.episode import _UNSET, Episode, Restored, Step
+from ray_ckpt.steps.modes import BLOCKING, EpisodeState, StepMode
+from ray_ckpt.steps.persist import export_records, stage_records
+from ray_ckpt.wire import MAX_REPORTED_BLOCKERS, Blocker, PrepareReport
+
+log = logging.getLogger(__name__)
+
+_STEP_STATE = {StepMode.WAIT: EpisodeState.WAIT_STEP, StepMode.REPLAY: EpisodeState.REPLAY_STEP}
+
+
+class EpisodeSteps:
+    """Tracks one server's live and restored episodes.  Not thread-safe: one loop."""
+
+    def __init__(self, *, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.clock = clock
+        self._live: dict[EpisodeId, Episode] = {}
+        self._restored: dict[EpisodeId, Restored] = {}  # by the replacement attempt
+        self._counts: Counter[EpisodeState] = Counter()
+        self._open = True
+        self._opened = asyncio.Event()
+        self._opened.set()
+        self._served = False
+        self._notify: Callable[[], None] | None = None
+
+    # --- controller side -------------------------------------------------------
+
+    def bind(self, notify: Callable[[], None]) -> None:
+        self._notify = notify
+
+    @property
+    def admission_open(self) -> bool:
+        return self._open
+
+    def close_admission(self) -> None:
+        """Idempotent.  Steps not yet started wait; replay steps stop the clock."""
+        self._open = False
+        self._opened.clear()
+        self._resync_pauses()
+        self._changed()
+
+    def open_admission(self) -> None:
+        """Idempotent.  Parked episodes wake and continue."""
+        self._open = True
+        self._opened.set()
+        self._resync_pauses()
+        self._changed()
+
+    def ready(self) -> bool:
+        """Cheap: no live episode is running outside a boundary."""
+        return not any(self._counts[s] for s in BLOCKING)
+
+    def fresh(self) -> bool:
+        """True until the first episode begins (a restore needs a fresh table)."""
+        return not self._served
+
+    def live_executions(self) -> int:
+        return len(self._live)
+
+    def episodes(self) -> list[Episode]:
+        return list(self._live.values())
+
+    def restored_ids(self) -> list[EpisodeId]:
+        """Restored episodes whose replacement has not begun, by that attempt."""
+        return sorted(self._restored)
+
+    def report(self, limit: int = MAX_REPORTED_BLOCKERS) -> PrepareReport:
+        now = self.clock.now()
+        blocking = [ep for ep in self._live.values() if ep.state in BLOCKING]
+        listed = heapq.nsmallest(max(limit, 0), blocking, key=lambda ep: ep.key)
+        counts = {state.value: n for state, n in self._counts.items() if n}
+        if self._restored:
+            counts["restored"] = len(self._restored)
+        return PrepareReport(
+            ready=not blocking,
+            blockers=[_blocker(ep, now) for ep in listed],
+            blocker_count=len(blocking),
+            counts=counts,
+            restarts=sorted(ep.key for ep in self._live.values() if ep.restart),
+        )
+
+    # --- handler side ----------------------------------------------------------
+
+    def begin(
+        self, episode_id: EpisodeId, *, deadline_s: float | None = None, boundary: Any = None
+    ) -> Episode:
+        """Open an episode attempt bound to the current task.
+
+        While admission is closed only the replacement of a restored episode
+        may begin; it starts at the restored boundary (which wins over
+        `boundary`) and is exported as such until it moves on.
+        """
+        if deadline_s is not None and not deadline_s > 0:
+            raise InvalidRequest(f"deadline_s must be > 0, got {deadline_s!r}")
+        self._check_attempt(episode_id)
+        restored = self._restored.get(episode_id)
+        if restored is None and not self._open:
+            raise AdmissionClosed(f"episode {episode_id}: a checkpoint is in progress")
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:
+            task = None
+        if restored is not None:
+            del self._restored[episode_id]
+            boundary = restored.boundary
+        ep = Episode(
+            self,
+            episode_id,
+            deadline_s=deadline_s,
+            boundary=boundary,
+            step_index=restored.step_index if restored is not None else 0,
+            restored=restored,
+            task=task,
+            now=self.clock.now(),
+        )
+        self._served = True
+        self._live[episode_id] = ep
+        self._counts[ep.state] += 1
+        self._changed()
+        return ep
+
+    def _check_attempt(self, episode_id: EpisodeId) -> None:
+        current = self._live.get(episode_id)
+        if current is not None:
+            if current.retire_requested:
+                raise StaleAttempt(f"episode {episode_id} is being retired")
+            raise InvalidRequest(f"episode {episode_id} is already live")
+        for other in (*self._live, *self._restored):
+            if other.rollout_id == episode_id.rollout_id and other.attempt > episode_id.attempt:
+                raise StaleAttempt(f"episode {episode_id}: attempt {other.attempt} supersedes it")
+
+    def claim(self, episode_id: EpisodeId) -> Any:
+        """Hand a restored boundary to the replacement attempt, exactly once."""
+        ep = self._live.get(episode_id)
+        if ep is not None:
+            return ep.claim()
+        restored = self._restored.get(episode_id)
+        if restored is None or restored.claimed:
+            return None
+        restored.claimed = True
+        return restored.boundary
+
+    async def _enter_step(self, ep: Episode, step: Step) -> None:
+        if ep.closed:
+            raise InvalidPhase(f"episode {ep.key} is closed")
+        if ep.current is not None:
+            raise InvalidRequest(f"episode {ep.key}: step {ep.current.name!r} is still open")
+        ep.current = step
+        try:
+            await self._park(ep)
+        except BaseException:
+            ep.current = None
+            self._transition(ep, EpisodeState.RUNNING)
+            raise
+        step.started = self.clock.now()
+        self._transition(ep, _STEP_STATE[step.mode])
+
+    async def _exit_step(self, ep: Episode, step: Step, *, failed: bool) -> None:
+        ep.current = None
+        if ep.closed:
+            return
+        if failed:
+            # The step's effects are unknown: keep the boundary before it.
+            self._transition(ep, EpisodeState.RUNNING)
+            return
+        if step.recorded:
+            if step.mode is StepMode.REPLAY and not self._open and not ep.restart:
+                # The closed checkpoint counts this episode as parked before the
+                # step; the step's boundary takes effect only once it reopens.
+                ep._held = step._pending
+            else:
+                ep._boundary = step._pending
+                ep.step_index = step.index + 1
+        try:
+            # A step that records no boundary leaves the episode where it was.
+            await self._park(ep)
+        finally:
+            if ep._held is not _UNSET and self._open:
+                ep._boundary, ep._held = ep._held, _UNSET
+                ep.step_index = step.index + 1
+            self._transition(ep, EpisodeState.RUNNING)
+
+    async def _park(self, ep: Episode) -> None:
+        if ep.restart or self._open:
+            return
+        self._transition(ep, EpisodeState.PARKED)
+        # A checkpoint that closes again before the episode wakes keeps it parked.
+        while not self._open:
+            await self._opened.wait()
+
+    def _mark_restart(self, ep: Episode) -> None:
+        if not self._open:
+            raise InvalidPhase(f"episode {ep.key}: restart only while no checkpoint is open")
+        if ep.closed or ep.restart:
+            return
+        ep.restart = True
+        self._transition(ep, EpisodeState.RESTART)
+
+    # --- export and restore ----------------------------------------------------
+
+    def export(self, scope: Sequence[EpisodeId] | None) -> list[Record]:
+        """Records for the episodes in scope (all capturable ones when None).
+
+        Needs closed admission and every exported episode at a boundary.
+        Restored episodes whose replacement has not begun are included (named
+        by the replacement attempt), so a second crash still continues them.
+        """
+        if self._open:
+            raise InvalidPhase("export needs admission closed")
+        return export_records(self._live, self._restored, scope)
+
+    def install(self, records: Sequence[Record]) -> list[EpisodeId]:
+        """Validate every record, then install each under attempt + 1."""
+        if self._served or self._live:
+            raise InvalidPhase("install needs an EpisodeSteps that has served no episode")
+        staged = stage_records(records, {eid.rollout_id for eid in self._restored})
+        self._restored.update(staged)
+        self._changed()
+        return list(staged)
+
+    def delete_restored(self, keep: Sequence[EpisodeId]) -> list[str]:
+        """Free restored-but-unclaimed state not named in `keep`."""
+        kept = set(keep)
+        freed = [eid for eid in self._restored if eid not in kept]
+        for eid in freed:
+            del self._restored[eid]
+        if freed:
+            self._changed()
+        return sorted(eid.capture_key for eid in freed)
+
+    # --- retire ----------------------------------------------------------------
+
+    def retiring(self) -> int:
+        """Attempts a retire is stopping right now."""
+        return self._counts[EpisodeState.RETIRING]
+
+    async def retire(self, episode_ids: Sequence[EpisodeId]) -> list[str]:
+        """Stop every attempt <= the given one of each rollout, wait, free.
+
+        Each attempt's task is cancelled once (a second cancel would interrupt
+        its cleanup) and awaited, so its `finally:` blocks have run when this
+        returns.  If this call is itself cancelled (a control deadline), the
+        attempts keep stopping and stay blockers in state `retiring` until
+        they do; a later retire waits for them again.  Returns capture keys.
+        """
+        limits: dict[str, int] = {}
+        for eid in episode_ids:
+            limits[eid.rollout_id] = max(limits.get(eid.rollout_id, -1), eid.attempt)
+
+        def covered(eid: EpisodeId) -> bool:
+            return eid.attempt <= limits.get(eid.rollout_id, -1)
+
+        keys: set[str] = set()
+        for eid in [eid for eid in self._restored if covered(eid)]:
+            del self._restored[eid]
+            keys.add(eid.capture_key)
+        me = asyncio.current_task()
+        stopping: set[asyncio.Task[Any]] = set()
+        for ep in [ep for eid, ep in self._live.items() if covered(eid)]:
+            keys.add(ep.key)
+            task = ep.task
+            if task is None or task.done() or task is me:
+                self._free(ep)
+                continue
+            if not ep.retire_requested:
+                ep.retire_requested = True
+                self._transition(ep, EpisodeState.RETIRING)
+                # Freed when the task ends, even if this retire is cancelled first.
+                task.add_done_callback(functools.partial(self._stopped, ep))
+                task.cancel()
+            stopping.add(task)
+        if keys:
+            self._changed()
+        if stopping:
+            # asyncio.wait, not gather: cancelling us must not cancel them again.
+            await asyncio.wait(stopping)
+        return sorted(keys)
+
+    def _stopped(self, ep: Episode, _task: asyncio.Task[Any]) -> None:
+        self._free(ep)
+
+    # --- bookkeeping -----------------------------------------------------------
+
+    def _transition(self, ep: Episode, state: EpisodeState) -> None:
+        if ep.retire_requested and state is not EpisodeState.RETIRING:
+            state = EpisodeState.RETIRING  # sticky until the task has stopped
+        elif ep.restart and state is not EpisodeState.RETIRING:
+            state = EpisodeState.RESTART
+        if ep.closed or state is ep.state:
+            return
+        self._counts[ep.state] -= 1
+        self._counts[state] += 1
+        ep.state = state
+        now = self.clock.now()
+        ep.since = now
+        ep._sync_pause(self._open, now)
+        self._changed()
+
+    def _resync_pauses(self) -> None:
+        now = self.clock.now()
+        for ep in self._live.values():
+            ep._sync_pause(self._open, now)
+
+    def _free(self, ep: Episode) -> None:
+        if ep.closed:
+            return
+        ep._sync_pause(True, self.clock.now())
+        ep.closed = True
+        if self._live.get(ep.id) is ep:
+            del self._live[ep.id]
+            self._counts[ep.state] -= 1
+        self._changed()
+
+    def _changed(self) -> None:
+        if self._notify is None:
+            return
+        try:
+            self._notify()
+        except Exception:  # a broken callback must not break a data-plane handler
+            log.exception("episode steps: notify callback failed")
+
+
+def _blocker(ep: Episode, now: float) -> Blocker:
+    step = ep.current
+    started = step.started if step is not None and step.started is not None else ep.since
+    return Blocker(
+        key=ep.key,
+        state=ep.state.value,
+        step=step.index if step is not None else ep.step_index,
+        mode=step.mode.value if step is not None else None,
+        running_s=now - started,
+        detail=step.name if step is not None else "",
+    )
