@@ -107,6 +107,14 @@ def _json(status: int, body: bytes) -> web.Response:
     return web.Response(status=status, body=body, content_type="application/json")
 
 
+def _too_large(gate: _Gate) -> web.Response:
+    resp = _json(*gate.too_large())
+    # The unread rest of the body makes the connection useless: tell the client
+    # to drop it instead of leaving the server draining it.
+    resp.force_close()
+    return resp
+
+
 async def _read_limited(request: web.Request, limit: int) -> bytes:
     # Read from the stream directly: request.read() applies the app's
     # client_max_size, which belongs to whoever owns the app, not to us.
@@ -141,11 +149,11 @@ def _aiohttp_handlers(
             if not authorized(request):
                 return _json(*gate.unauthorized())
             if gate.declared_too_large(request.content_length):
-                return _json(*gate.too_large())
+                return _too_large(gate)
             try:
                 body = await _read_limited(request, gate.max_body_bytes)
             except BodyTooLarge:
-                return _json(*gate.too_large())
+                return _too_large(gate)
             return _json(*await gate.call(op, body))
 
         return handler

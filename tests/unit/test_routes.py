@@ -13,6 +13,7 @@ from aiohttp import web
 from fastapi import FastAPI
 from pydantic import SecretStr
 
+from ray_ckpt.controller import ParticipantController
 from ray_ckpt.errors import (
     CheckpointError,
     CoordinationFailed,
@@ -32,6 +33,7 @@ from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.wire import OPERATIONS, CheckpointRequest, decode_request
 
 from .conftest import Serve
+from .fakes import FakeParticipant, MemoryStore
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -391,3 +393,87 @@ async def test_asgi_errors_and_method(asgi: httpx.AsyncClient, target: FakeTarge
     target.error = KeyError("oops")
     r = await asgi.get(url("", "status"), headers=AUTH)
     assert (r.status_code, r.json()["error"]["code"]) == (500, "internal")
+
+
+# --- the real controller behind the routes ------------------------------------------
+
+
+@pytest.fixture
+async def real(serve: Serve) -> AsyncIterator[tuple[str, ParticipantController, FakeParticipant]]:
+    participant = FakeParticipant()
+    # A small limit: aiohttp lingers up to 10 s on a connection whose large body
+    # was left unread, which would only slow the teardown.
+    settings = CheckpointSettings(
+        enabled=True, control_auth_token=SecretStr(TOKEN), max_control_body_bytes=16 * 1024
+    )
+    ctl = ParticipantController(
+        participant, instance="env-0", settings=settings, store=MemoryStore()
+    )
+    app = web.Application()
+    assert maybe_install_control_routes(app, ctl, settings)
+    yield await serve(app), ctl, participant
+    await ctl.aclose()
+
+
+async def test_real_controller_rejections_change_nothing(
+    http: aiohttp.ClientSession, real: tuple[str, ParticipantController, FakeParticipant]
+) -> None:
+    base, ctl, participant = real
+    before = ctl.status()
+    for headers in BAD_AUTH.values():
+        assert (await post(http, url(base, "prepare"), BASE, headers))[0] == 401
+    for bad in BAD_BODIES.values():
+        assert (await post(http, url(base, "prepare"), bad))[0] == 400
+    too_big = {**BASE, "pad": " " * (20 * 1024)}
+    assert (await post(http, url(base, "prepare"), too_big))[0] == 413
+    assert ctl.status() == before
+    assert participant.admission_open
+    # A 401'd resume did not record the ID: a prepare of it still works.
+    assert (await post(http, url(base, "resume"), BASE, {}))[0] == 401
+    status, reply = await post(http, url(base, "prepare"), BASE)
+    assert (status, reply["phase"]) == (200, "prepared")
+
+
+async def test_real_controller_codes_on_the_wire(
+    http: aiohttp.ClientSession, real: tuple[str, ParticipantController, FakeParticipant]
+) -> None:
+    base, _, _ = real
+    status, reply = await post(http, url(base, "restore"), VALID["restore"])
+    assert (status, reply["error"]["code"]) == (422, "invalid_checkpoint_state")
+    assert (await post(http, url(base, "prepare"), BASE))[0] == 200
+    other = {**BASE, "checkpoint_id": "ckpt-2"}
+    status, reply = await post(http, url(base, "prepare"), other)
+    assert (status, reply["error"]["code"]) == (409, "checkpoint_conflict")
+    assert await post(http, url(base, "resume"), BASE) == (
+        200,
+        {"phase": "idle", "idempotent": False},
+    )
+    status, reply = await post(http, url(base, "prepare"), BASE)
+    assert (status, reply["error"]["code"]) == (409, "stale_checkpoint")
+    late = {**other, "deadline_ts": 1.0}
+    status, reply = await post(http, url(base, "prepare"), late)
+    assert (status, reply["error"]["code"]) == (409, "deadline_exceeded")
+    async with http.get(url(base, "status"), headers=AUTH) as r:
+        assert (r.status, (await r.json())["phase"]) == (200, "idle")
+
+
+async def test_real_controller_behind_asgi() -> None:
+    participant = FakeParticipant()
+    settings = CheckpointSettings(enabled=True, control_auth_token=SecretStr(TOKEN))
+    ctl = ParticipantController(
+        participant, instance="env-0", settings=settings, store=MemoryStore()
+    )
+    wrapped = ControlASGIMiddleware(FastAPI(), ctl, token=TOKEN)
+    transport = httpx.ASGITransport(app=wrapped)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gym") as client:
+        r = await client.post(url("", "prepare"), json=BASE)
+        assert r.status_code == 401
+        assert participant.admission_open
+        r = await client.post(url("", "prepare"), json=BASE, headers=AUTH)
+        assert (r.status_code, r.json()["phase"]) == (200, "prepared")
+        assert not participant.admission_open
+        r = await client.post(url("", "prepare"), json={**BASE, "checkpoint_id": "x"}, headers=AUTH)
+        assert (r.status_code, r.json()["error"]["code"]) == (409, "checkpoint_conflict")
+        r = await client.get(url("", "status"), headers=AUTH)
+        assert (r.json()["phase"], r.json()["checkpoint_id"]) == ("prepared", "ckpt-1")
+    await ctl.aclose()
