@@ -67,7 +67,7 @@ class Step:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.episode._steps._exit_step(self.episode, self, failed=exc_type is not None)
+        await self.episode._steps._exit_step(self.episode, self, error=exc)
 
 
 class Episode:
@@ -185,8 +185,20 @@ class Episode:
     # --- lifetime --------------------------------------------------------------
 
     def close(self) -> None:
-        """End the episode and free its state (idempotent)."""
+        """End the episode and free its state now (idempotent)."""
         self._steps._free(self)
+
+    async def finish(self) -> None:
+        """End the episode at a park point, then free it.
+
+        While admission is closed the episode may already be exported at its
+        last boundary, so its result must not leave before reopen: either
+        the checkpoint continues it or the caller gets it, never both.
+        """
+        try:
+            await self._steps._park(self)
+        finally:
+            self.close()
 
     async def __aenter__(self) -> Episode:
         return self
@@ -197,7 +209,10 @@ class Episode:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        if exc_type is None:
+            await self.finish()
+        else:
+            self.close()
 
     def __repr__(self) -> str:
         return f"Episode({self.key}, {self.state.value}, step={self.step_index})"

@@ -177,13 +177,25 @@ class EpisodeSteps:
         step.started = self.clock.now()
         self._transition(ep, _STEP_STATE[step.mode])
 
-    async def _exit_step(self, ep: Episode, step: Step, *, failed: bool) -> None:
+    async def _exit_step(self, ep: Episode, step: Step, *, error: BaseException | None) -> None:
         ep.current = None
         if ep.closed:
             return
-        if failed:
-            # The step's effects are unknown: keep the boundary before it.
-            self._transition(ep, EpisodeState.RUNNING)
+        if error is not None:
+            # The step's effects are unknown: keep the boundary before it.  A
+            # replay step the checkpoint counted as parked stays parked, so a
+            # failure cannot make a prepared participant unready again.
+            if (
+                step.mode is StepMode.REPLAY
+                and not isinstance(error, asyncio.CancelledError)
+                and not ep.retire_requested
+            ):
+                try:
+                    await self._park(ep)
+                finally:
+                    self._transition(ep, EpisodeState.RUNNING)
+            else:
+                self._transition(ep, EpisodeState.RUNNING)
             return
         if step.recorded:
             if step.mode is StepMode.REPLAY and not self._open and not ep.restart:
@@ -203,7 +215,7 @@ class EpisodeSteps:
             self._transition(ep, EpisodeState.RUNNING)
 
     async def _park(self, ep: Episode) -> None:
-        if ep.restart or self._open:
+        if ep.restart or ep.closed or ep.retire_requested or self._open:
             return
         self._transition(ep, EpisodeState.PARKED)
         # A checkpoint that closes again before the episode wakes keeps it parked.

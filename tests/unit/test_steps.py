@@ -15,6 +15,7 @@ import pytest
 from ray_ckpt.clock import ManualClock
 from ray_ckpt.errors import (
     AdmissionClosed,
+    CheckpointError,
     InvalidCheckpointState,
     InvalidPhase,
     RestartInScope,
@@ -22,14 +23,18 @@ from ray_ckpt.errors import (
 )
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.records import Record
-from ray_ckpt.steps import EpisodeState, EpisodeSteps, StepMode
+from ray_ckpt.steps import EpisodeState, EpisodeSteps, EpisodeTimeout, StepMode
 
 R1 = EpisodeId("r1")
 
 
 async def until(pred: Callable[[], bool], timeout: float = 2.0) -> None:
+    # Polls: the predicates mix episode states, task states and counters that
+    # no single event covers.
     async with asyncio.timeout(timeout):
-        while not pred():
+        while True:
+            if pred():
+                return
             await asyncio.sleep(0.001)
 
 
@@ -93,7 +98,8 @@ async def test_a_wait_step_blocks_the_checkpoint_and_exports_the_boundary_after_
 
     steps.open_admission()
     assert await task == {"next": "return", "reward": 1.0}
-    assert steps.live_executions() == 0 and steps.ready()
+    assert steps.live_executions() == 0
+    assert steps.ready()
 
 
 async def test_a_replay_step_does_not_block_and_exports_the_boundary_before_it() -> None:
@@ -206,9 +212,8 @@ async def test_the_deadline_scope_times_out_on_working_time_only() -> None:
     finished = asyncio.Event()
 
     async def work() -> str:
-        async with ep.deadline(poll_s=0.001):
-            async with ep.step("replay"):
-                await finished.wait()
+        async with ep.deadline(poll_s=0.001), ep.step("replay"):
+            await finished.wait()
         return "done"
 
     steps.close_admission()
@@ -223,8 +228,6 @@ async def test_the_deadline_scope_times_out_on_working_time_only() -> None:
     await asyncio.sleep(0.01)
     assert not task.done()
     clock.advance(0.5)
-    from ray_ckpt.steps import EpisodeTimeout
-
     with pytest.raises(EpisodeTimeout) as info:
         await task
     assert isinstance(info.value, TimeoutError)
@@ -244,7 +247,8 @@ async def test_new_episodes_are_refused_while_closed_but_a_restored_one_begins()
     with pytest.raises(StaleAttempt):
         steps.begin(EpisodeId("r1", 0))  # the dead attempt
     ep = steps.begin(EpisodeId("r1", 1), boundary={"next": "seed"})
-    assert ep.boundary_state == {"next": "verify"} and ep.step_index == 1
+    assert ep.boundary_state == {"next": "verify"}
+    assert ep.step_index == 1
     assert ep.claim() == {"next": "verify"}
     assert ep.claim() is None
     assert steps.claim(EpisodeId("r1", 1)) is None
@@ -311,7 +315,8 @@ async def test_a_restart_is_marked_only_while_open_and_never_blocks() -> None:
         a.mark_restart()
     assert not steps.ready()  # `a` runs outside any step
     report = steps.report(10)
-    assert [x.key for x in report.blockers] == ["a"] and report.restarts == ["b"]
+    assert [x.key for x in report.blockers] == ["a"]
+    assert report.restarts == ["b"]
     a.close()
     assert steps.ready()
     assert steps.export(None) == []
@@ -354,9 +359,72 @@ async def test_report_lists_at_most_limit_blockers_but_counts_all() -> None:
     eps = [steps.begin(EpisodeId(f"r{i:02d}")) for i in range(7)]
     steps.close_admission()
     report = steps.report(3)
-    assert report.blocker_count == 7 and not report.ready
+    assert report.blocker_count == 7
+    assert not report.ready
     assert [b.key for b in report.blockers] == ["r00", "r01", "r02"]
     assert report.counts == {"running": 7}
     for ep in eps:
         ep.close()
     assert steps.report(3).ready
+
+
+async def test_a_result_is_not_delivered_while_the_checkpoint_is_closed() -> None:
+    steps = EpisodeSteps()
+    steps.install([Record("r1", {"boundary": {"next": "return", "reward": 0.5}, "step": 2})])
+    steps.close_admission()
+
+    async def replacement() -> Any:
+        async with steps.begin(EpisodeId("r1", 1)) as ep:
+            return ep.claim()["reward"]
+
+    task = asyncio.create_task(replacement())
+    await until(lambda: steps.report(5).counts == {"parked": 1})
+    # Exported at its last boundary: a crash now continues it, so it must wait.
+    assert [r.key for r in steps.export(None)] == ["r1-a1"]
+    await asyncio.sleep(0.01)
+    assert not task.done()
+    steps.open_admission()
+    assert await task == 0.5
+    assert steps.live_executions() == 0
+
+
+async def test_a_failing_replay_step_stays_parked_while_the_checkpoint_is_closed() -> None:
+    steps = EpisodeSteps()
+    fail = asyncio.Event()
+
+    async def handler() -> None:
+        async with steps.begin(R1, boundary={"next": "verify"}) as ep, ep.step("replay") as step:
+            await fail.wait()
+            step.boundary({"never": "recorded"})
+            raise RuntimeError("judge unavailable")
+
+    task = asyncio.create_task(handler())
+    await until(lambda: steps.report(5).counts == {"replay_step": 1})
+    steps.close_admission()
+    fail.set()
+    await until(lambda: steps.report(5).counts == {"parked": 1})
+    assert steps.ready()  # readiness does not regress under a prepared checkpoint
+    assert steps.export(None) == [Record("r1", {"boundary": {"next": "verify"}, "step": 0})]
+    steps.open_admission()
+    with pytest.raises(RuntimeError, match="judge unavailable"):
+        await task
+    assert steps.live_executions() == 0
+
+
+async def test_begin_refuses_duplicates_and_superseded_attempts() -> None:
+    steps = EpisodeSteps()
+    ep = steps.begin(EpisodeId("r", 2))
+    with pytest.raises(CheckpointError) as info:
+        steps.begin(EpisodeId("r", 2))
+    assert info.value.code == "invalid_request"
+    with pytest.raises(StaleAttempt):
+        steps.begin(EpisodeId("r", 1))
+    with pytest.raises(CheckpointError):
+        steps.begin(EpisodeId("q"), deadline_s=0)
+    with pytest.raises(CheckpointError):
+        ep.step("sometimes")  # type: ignore[arg-type]
+    async with ep.step("wait"):
+        with pytest.raises(CheckpointError):
+            ep.step("wait")
+    ep.close()
+    assert not steps.fresh()
