@@ -1,0 +1,263 @@
+"""One wrapper owns every call the coordinator makes to a participant.
+
+A participant is reached one of three ways: a `ParticipantHost` Ray actor
+(hosted or sidecar: the actor forwards to its server), an HTTP-only server
+behind the bearer-protected control routes, or — in unit tests — a `FakeHost`
+that drives a controller in process and can be told to hang, fail or die.
+Whatever the transport, a call either returns the participant's reply as
+plain builtins or raises a `CheckpointError`: the participant's own refusal,
+or `ParticipantUnavailable` when it is dead or unreachable.  Cancelling a call
+cancels the remote work too (`ray.cancel` for an actor task).
+
+The trainer and trajectory-assembler actors the coordinator pauses are
+wrapped here as well (`RayPauseTarget`, `FakePauseTarget`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol
+
+from coordination.order import Member
+from ray_ckpt.client import ControlClient
+from ray_ckpt.errors import CheckpointError, ParticipantUnavailable
+
+Log = list[tuple[float, str, str, str]]  # (monotonic time, event, who, op)
+
+
+class Host(Protocol):
+    member: Member
+
+    async def call(self, op: str, body: Mapping[str, Any]) -> dict[str, Any]: ...
+
+    async def status(self) -> dict[str, Any]: ...
+
+    def describe(self) -> dict[str, Any]:
+        """How to find this participant again (journalled; never a secret)."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+def _unwrap_ray_error(exc: BaseException, what: str) -> CheckpointError:
+    """A Ray failure as our typed error: the participant's refusal, or unavailable."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    if isinstance(exc, RayActorError):
+        return ParticipantUnavailable(f"{what}: actor is dead or unreachable: {exc}"[:500])
+    if isinstance(exc, RayTaskError):
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, CheckpointError):
+            return cause
+        return ParticipantUnavailable(f"{what}: failed with {cause!r}"[:500])
+    if isinstance(exc, CheckpointError):
+        return exc
+    return ParticipantUnavailable(f"{what}: {exc!r}"[:500])
+
+
+async def _await_ref(ref: Any, what: str) -> Any:
+    import ray
+
+    try:
+        return await ref
+    except asyncio.CancelledError:
+        # A straggler past the deadline: stop the remote work, not only our wait.
+        with contextlib.suppress(Exception):
+            ray.cancel(ref)
+        raise
+    except Exception as exc:
+        raise _unwrap_ray_error(exc, what) from None
+
+
+class RayHost:
+    """A `ParticipantHost` actor: one actor method per control operation."""
+
+    def __init__(self, member: Member, handle: Any, *, actor_name: str | None = None) -> None:
+        self.member = member
+        self.handle = handle
+        self.actor_name = actor_name or member.key
+
+    async def call(self, op: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        ref = getattr(self.handle, op).remote(dict(body))
+        reply: dict[str, Any] = await _await_ref(ref, f"{op} to {self.member.key}")
+        return reply
+
+    async def status(self) -> dict[str, Any]:
+        reply: dict[str, Any] = await _await_ref(
+            self.handle.status.remote(), f"status of {self.member.key}"
+        )
+        return reply
+
+    def describe(self) -> dict[str, Any]:
+        return {"transport": "ray", "actor": self.actor_name}
+
+    async def aclose(self) -> None:
+        return None
+
+
+class HttpHost:
+    """An HTTP-only participant, reached over the reserved control pool."""
+
+    def __init__(self, member: Member, client: ControlClient) -> None:
+        self.member = member
+        self.client = client
+
+    async def call(self, op: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        return await self.client.call(op, body)
+
+    async def status(self) -> dict[str, Any]:
+        return await self.client.status()
+
+    def describe(self) -> dict[str, Any]:
+        return {"transport": "http", "url": self.client.base_url}
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+class ControlTarget(Protocol):
+    async def handle(self, op: str, body: dict[str, Any]) -> dict[str, Any]: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+class FakeHost:
+    """In-process participant for unit tests, with faults on demand.
+
+    Drives `target` (e.g. a real `ParticipantController` over a fake
+    participant) directly.  `hang` ops never answer until cancelled, `fail`
+    ops raise the given error, `dead` makes every call unavailable, and
+    `delay` sleeps before answering.  Every call start, reply, failure and
+    cancellation is appended to `log`, which tests may share across hosts.
+    """
+
+    def __init__(
+        self,
+        member: Member,
+        target: ControlTarget | None = None,
+        *,
+        log: Log | None = None,
+        reply: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None,
+    ) -> None:
+        self.member = member
+        self.target = target
+        self.log: Log = log if log is not None else []
+        self._reply = reply
+        self.hang: set[str] = set()
+        self.fail: dict[str, CheckpointError] = {}
+        self.delay: dict[str, float] = {}
+        self.dead = False
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+
+    def _note(self, event: str, op: str) -> None:
+        self.log.append((time.monotonic(), event, self.member.key, op))
+
+    async def call(self, op: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        self.calls.append((op, dict(body)))
+        self._note("call", op)
+        try:
+            if self.dead:
+                raise ParticipantUnavailable(f"{self.member.key} is dead")
+            if op in self.delay:
+                await asyncio.sleep(self.delay[op])
+            if op in self.hang:
+                await asyncio.Event().wait()
+            if op in self.fail:
+                raise self.fail[op]
+            if self.target is not None:
+                reply = await self.target.handle(op, dict(body))
+            elif self._reply is not None:
+                reply = self._reply(op, dict(body))
+            else:
+                reply = {}
+        except asyncio.CancelledError:
+            self._note("cancelled", op)
+            raise
+        except CheckpointError:
+            self._note("failed", op)
+            raise
+        self._note("reply", op)
+        return reply
+
+    async def status(self) -> dict[str, Any]:
+        if self.dead:
+            raise ParticipantUnavailable(f"{self.member.key} is dead")
+        if self.target is not None:
+            return self.target.status()
+        return {"kind": self.member.kind, "instance": self.member.name, "phase": "idle"}
+
+    def describe(self) -> dict[str, Any]:
+        return {"transport": "fake"}
+
+    async def aclose(self) -> None:
+        return None
+
+
+# --- controller-side pause targets -------------------------------------------
+
+
+class PauseTarget(Protocol):
+    role: str  # "trainer" or "assembler"
+
+    async def pause(self, checkpoint_id: str, deadline_s: float) -> Any: ...
+
+    async def resume(self, checkpoint_id: str) -> Any: ...
+
+
+class RayPauseTarget:
+    """A trainer or assembler actor; method names are configurable so existing
+    methods (e.g. a collector's own pause/resume) can be registered as they are."""
+
+    def __init__(
+        self,
+        role: str,
+        handle: Any,
+        *,
+        pause_method: str = "pause",
+        resume_method: str = "resume",
+        pass_args: bool = True,
+    ) -> None:
+        self.role = role
+        self.handle = handle
+        self.pause_method = pause_method
+        self.resume_method = resume_method
+        # Methods written for another protocol may take no arguments.
+        self.pass_args = pass_args
+
+    async def pause(self, checkpoint_id: str, deadline_s: float) -> Any:
+        method = getattr(self.handle, self.pause_method)
+        ref = method.remote(checkpoint_id, deadline_s) if self.pass_args else method.remote()
+        return await _await_ref(ref, f"{self.pause_method} of {self.role}")
+
+    async def resume(self, checkpoint_id: str) -> Any:
+        method = getattr(self.handle, self.resume_method)
+        ref = method.remote(checkpoint_id) if self.pass_args else method.remote()
+        return await _await_ref(ref, f"{self.resume_method} of {self.role}")
+
+
+class FakePauseTarget:
+    def __init__(self, role: str, *, log: Log | None = None) -> None:
+        self.role = role
+        self.log: Log = log if log is not None else []
+        self.paused: str | None = None
+        self.fail_pause: CheckpointError | None = None
+
+    async def pause(self, checkpoint_id: str, deadline_s: float) -> Any:
+        self.log.append((time.monotonic(), "pause", self.role, checkpoint_id))
+        if self.fail_pause is not None:
+            raise self.fail_pause
+        self.paused = checkpoint_id
+        return {"in_flight": 0}
+
+    async def resume(self, checkpoint_id: str) -> Any:
+        self.log.append((time.monotonic(), "resume", self.role, checkpoint_id))
+        self.paused = None
+        return {"resumed": True}
+
+
+async def gather_settled(aws: list[Awaitable[Any]]) -> list[Any]:
+    """Await everything; results or the exceptions raised (never cancels siblings)."""
+    return list(await asyncio.gather(*aws, return_exceptions=True))

@@ -1,0 +1,110 @@
+"""Typed results of coordinated operations (what the handle and CLI return)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class Timeouts(msgspec.Struct, frozen=True, kw_only=True):
+    """Phase deadlines (seconds from the start of the call) and the renew cadence."""
+
+    prepare_s: float = 60.0
+    commit_s: float = 300.0
+    resume_s: float = 30.0
+    restore_s: float = 300.0
+    retire_s: float = 120.0
+    status_s: float = 10.0
+    pause_s: float = 30.0
+    # Renew every lease this often while a checkpoint stays open (publishing).
+    renew_every_s: float = 60.0
+    # Added to a call's remaining time so the participant's own reply at its
+    # deadline (e.g. prepare's blockers) wins the race against our timeout.
+    reply_grace_s: float = 2.0
+    # A failed restore's cleanup gets at least this long.
+    cleanup_min_s: float = 30.0
+
+
+class PrepareResult(msgspec.Struct, frozen=True, kw_only=True):
+    checkpoint_id: str
+    seconds: float
+    timings: dict[str, float]  # participant → prepare seconds
+    restarts: dict[str, list[str]]  # participant → restart-only episodes (never exported)
+
+
+class CommitResult(msgspec.Struct, frozen=True, kw_only=True):
+    checkpoint_id: str
+    checkpoint_dir: str
+    seconds: float
+    manifest_s: float
+    timings: dict[str, float]
+    bytes: dict[str, int]
+    episode_ids: dict[str, list[str]]  # participant → capture keys exported
+
+
+class ResumeResult(msgspec.Struct, frozen=True, kw_only=True):
+    checkpoint_id: str | None
+    seconds: float
+    # Participants that could not be reached resume when their lease lapses.
+    failures: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
+
+
+class CheckpointResult(msgspec.Struct, frozen=True, kw_only=True):
+    checkpoint_id: str
+    checkpoint_dir: str
+    total_s: float
+    prepare_s: float
+    commit_s: float
+    manifest_s: float
+    resume_s: float | None  # None when the checkpoint was left open for publishing
+    timings: dict[str, dict[str, float]]  # participant → {op: seconds}
+    bytes: dict[str, int]
+    total_bytes: int
+    episode_ids: dict[str, list[str]]
+    restarts: dict[str, list[str]]
+    resume_failures: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
+
+
+class RestoreResult(msgspec.Struct, frozen=True, kw_only=True):
+    checkpoint_id: str
+    source_checkpoint_id: str | None
+    checkpoint_dir: str
+    total_s: float
+    timings: dict[str, float]
+    restored: dict[str, list[str]]  # participant → next-attempt capture keys
+    resumed: bool
+
+
+class RetireResult(msgspec.Struct, frozen=True, kw_only=True):
+    operation_id: str
+    seconds: float
+    retired: dict[str, list[str]]
+
+
+class ForgetResult(msgspec.Struct, frozen=True, kw_only=True):
+    operation_id: str
+    seconds: float
+    forgotten: dict[str, list[str]]
+
+
+class ParticipantStatus(msgspec.Struct, frozen=True, kw_only=True):
+    participant: str
+    kind: str
+    transport: str
+    phase: str | None = None
+    checkpoint_id: str | None = None
+    lease_expires_at: float | None = None
+    live_executions: int | None = None
+    retired_rollouts: int | None = None
+    blockers: list[str] = msgspec.field(default_factory=list)
+    blocker_count: int = 0
+    error: str | None = None
+
+
+class CoordinatorStatus(msgspec.Struct, frozen=True, kw_only=True):
+    open_checkpoint: str | None
+    phase: str | None
+    pause_mode: str
+    controllers: list[str]
+    participants: list[ParticipantStatus]
