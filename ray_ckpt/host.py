@@ -1,0 +1,278 @@
+"""`ParticipantHost`: the colocated Ray actor of one Gym server.
+
+A Gym server is reached by its checkpoint controller through one of three
+transports; the controller (phase machine, fencing, lease) is the same code in
+all of them, only the way calls reach it differs:
+
+- **Hosted** (`ParticipantHost`): the Gym app, aiohttp or ASGI (FastAPI),
+  runs inside this actor's event loop, with the bearer-protected control
+  routes on the same port.  The coordinator calls the actor's methods
+  (`prepare`, `commit`, ...) with object refs; they call the very controller
+  the HTTP routes call.
+- **Sidecar** (`ray_ckpt.sidecar.SidecarHost`): the Gym server is its own OS
+  process with the integration installed in-process; the colocated actor has
+  the same methods and forwards each over loopback HTTP through the reserved
+  control pool, and renews the server's lease while a checkpoint is open.  If
+  the actor dies, the server's lease lapses and it resumes by itself.
+- **HTTP only**: a Gym server on another cluster is driven by URL and token
+  alone (`ray_ckpt.client.ControlClient`); no actor is involved.
+
+Ray restarts an actor by re-running `__init__` only, so `__init__` does the
+whole setup: it loads the server, builds the controller, mounts the routes and
+binds the socket synchronously, then schedules serving and the lease watcher
+on the actor's loop; every method awaits that start first.  The default is
+`max_restarts=0`: a replacement host is a fresh process that accepts exactly
+one `restore` before it serves (the controller enforces this).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from functools import cache
+from typing import Any
+
+from aiohttp import web
+
+from ray_ckpt.controller import ParticipantController
+from ray_ckpt.errors import CheckpointError, NotFound, ParticipantUnavailable
+from ray_ckpt.hosting import (
+    DEFAULT_DRAIN_S,
+    GymServer,
+    ServerSpec,
+    Serving,
+    bind_socket,
+    current_node_id,
+    load_server,
+    serve_app,
+    socket_address,
+)
+from ray_ckpt.routes import ASGIApp, ControlASGIMiddleware, maybe_install_control_routes
+from ray_ckpt.wire import OPERATIONS
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_CONCURRENCY = 1000
+
+
+class ParticipantHost:
+    """Hosts one Gym server and its participant controller (use via `start_host`)."""
+
+    def __init__(self, spec: ServerSpec, drain_s: float = DEFAULT_DRAIN_S) -> None:
+        self.spec = spec
+        self.settings = spec.checkpoint_settings()
+        self._drain_s = drain_s
+        self.server: GymServer = load_server(spec)
+        # With checkpointing off there is no controller and no route: the
+        # server behaves exactly as it would without ray-ckpt.
+        self.controller: ParticipantController | None = None
+        app: web.Application | ASGIApp = self.server.app()
+        if self.settings.enabled:
+            self.controller = ParticipantController(
+                self.server.participant, instance=spec.name, settings=self.settings
+            )
+            self.server.attach(self.controller)
+            if isinstance(app, web.Application):
+                maybe_install_control_routes(app, self.controller, self.settings)
+            else:
+                app = ControlASGIMiddleware(
+                    app,
+                    self.controller,
+                    token=self.settings.token,
+                    max_body_bytes=self.settings.max_control_body_bytes,
+                )
+        self._app = app
+        self._sock = bind_socket(spec.host, spec.port)
+        self.host, self.port = socket_address(self._sock)
+        self._serving: Serving | None = None
+        self._stopped = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+        # Ray runs a sync __init__ of an async actor on the actor's loop.
+        self._started = self._spawn(self._start())
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task: asyncio.Task[Any] = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _start(self) -> None:
+        self._serving = await serve_app(self._app, self._sock, drain_s=self._drain_s)
+        if self.controller is not None:
+            self.controller.start()
+        log.info("%s serving on %s", self.spec.actor_name, self.url)
+
+    async def _ready(self) -> None:
+        if self._stopped:
+            raise ParticipantUnavailable(f"{self.spec.actor_name} is stopped")
+        await asyncio.shield(self._started)
+
+    def _controller(self) -> ParticipantController:
+        if self.controller is None:
+            raise NotFound(f"checkpointing is disabled on {self.spec.actor_name}")
+        return self.controller
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    # --- Ray methods ---------------------------------------------------------
+    async def ready(self) -> dict[str, Any]:
+        """Where the server listens (port 0 resolved) and where this actor runs."""
+        await self._ready()
+        return {
+            "kind": self.spec.kind,
+            "name": self.spec.name,
+            "mode": "hosted",
+            "url": self.url,
+            "host": self.host,
+            "port": self.port,
+            "node_id": current_node_id(),
+            "pid": os.getpid(),
+            "checkpointing": self.controller is not None,
+        }
+
+    async def status(self) -> dict[str, Any]:
+        await self._ready()
+        return self._controller().status()
+
+    async def call(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One control operation by name (the same as the named methods)."""
+        await self._ready()
+        if op != "status" and op not in OPERATIONS:
+            raise NotFound(f"unknown control operation {op!r}")
+        return await self._controller().handle(op, body)
+
+    async def prepare(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.call("prepare", body)
+
+    async def renew(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.call("renew", body)
+
+    async def commit(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.call("commit", body)
+
+    async def restore(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.call("restore", body)
+
+    async def resume(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.call("resume", body)
+
+    async def retire(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.call("retire", body)
+
+    async def forget(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.call("forget", body)
+
+    async def stop(self) -> dict[str, Any]:
+        """Graceful stop (idempotent): drain data routes, close sockets, cancel tasks."""
+        if self._stopped:
+            return {"stopped": True, "idempotent": True}
+        self._stopped = True
+        try:
+            await self._started
+        except Exception:
+            log.warning("%s never started serving", self.spec.actor_name, exc_info=True)
+        if self._serving is not None:
+            await self._serving.stop()
+        self._sock.close()
+        if self.controller is not None:
+            await self.controller.aclose()
+        await self.server.aclose()
+        await _cancel_all(self._tasks)
+        return {"stopped": True, "idempotent": False}
+
+
+async def _cancel_all(tasks: set[asyncio.Task[Any]]) -> None:
+    current = asyncio.current_task()
+    pending = [t for t in tasks if t is not current and not t.done()]
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+
+
+# --- placement ------------------------------------------------------------------
+
+
+@cache
+def _remote(cls: type) -> Any:
+    import ray
+
+    return ray.remote(cls)
+
+
+def host_class(spec: ServerSpec) -> type:
+    if spec.url is not None:
+        from ray_ckpt.sidecar import SidecarHost
+
+        return SidecarHost
+    return ParticipantHost
+
+
+def host_actor_options(
+    spec: ServerSpec,
+    *,
+    namespace: str,
+    node_id: str | None = None,
+    get_if_exists: bool = True,
+    max_restarts: int = 0,
+    max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+) -> dict[str, Any]:
+    """Ray actor options: named `<kind>/<name>` in `namespace`, pinned to a node."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if not namespace:
+        raise ValueError("hosts need an explicit Ray namespace")
+    return {
+        "name": spec.actor_name,
+        "namespace": namespace,
+        "get_if_exists": get_if_exists,
+        "num_cpus": 0,
+        "max_concurrency": max_concurrency,
+        "max_restarts": max_restarts,
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(
+            node_id=node_id or current_node_id(), soft=False
+        ),
+    }
+
+
+def start_host(
+    spec: ServerSpec,
+    *,
+    namespace: str,
+    node_id: str | None = None,
+    get_if_exists: bool = True,
+    **options: Any,
+) -> Any:
+    """Create (or, with `get_if_exists`, find) the host actor; returns its handle.
+
+    Default node: the caller's.  Await `handle.ready.remote()` for its address.
+    """
+    opts = host_actor_options(
+        spec, namespace=namespace, node_id=node_id, get_if_exists=get_if_exists, **options
+    )
+    return _remote(host_class(spec)).options(**opts).remote(spec)
+
+
+def get_host(kind: str, name: str, *, namespace: str) -> Any:
+    """The handle of a running host (raises ValueError if there is none)."""
+    import ray
+
+    from ray_ckpt.hosting import actor_name
+
+    return ray.get_actor(actor_name(kind, name), namespace=namespace)
+
+
+async def stop_host(handle: Any, *, timeout_s: float = 30.0) -> None:
+    """Graceful stop, then end the actor process (dead or stuck hosts are killed)."""
+    import ray
+
+    try:
+        await asyncio.wait_for(handle.stop.remote(), timeout_s)
+    except ray.exceptions.RayActorError:
+        pass  # already dead: nothing to drain
+    except (TimeoutError, CheckpointError):
+        log.warning("host did not stop gracefully; killing it", exc_info=True)
+    ray.kill(handle, no_restart=True)

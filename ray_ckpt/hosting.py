@@ -1,0 +1,221 @@
+"""What a hosted Gym server provides, how it is named, and how its app is served.
+
+A `ServerSpec` is the picklable description a `ParticipantHost` actor is built
+from (Ray re-runs `__init__` with it on a restart, so it must be all the host
+needs).  Its `factory` is an importable ``"module:function"`` called as
+``factory(name=..., settings=..., **options)`` and returning a `GymServer`.
+A spec with a `url` instead names a server that runs in its own process
+(sidecar mode, see `ray_ckpt.sidecar`).
+
+`serve_app` runs an aiohttp app (`AppRunner` + `SockSite`) or an ASGI app
+(uvicorn's `Server` as a task on the running loop, no extra process) on a
+socket bound synchronously, so a port-in-use error surfaces where the caller
+binds, and port 0 is resolved before anything is served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import socket
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import msgspec
+from aiohttp import web
+
+from ray_ckpt.participant import KINDS, Participant
+from ray_ckpt.routes import ASGIApp
+from ray_ckpt.settings import CheckpointSettings
+
+if TYPE_CHECKING:
+    from ray_ckpt.controller import ParticipantController
+
+# How long a graceful stop lets in-flight data requests finish.
+DEFAULT_DRAIN_S = 10.0
+
+
+@runtime_checkable
+class GymServer(Protocol):
+    """One Gym server a `ParticipantHost` runs in its own event loop."""
+
+    kind: str  # environment | policy_model | agent | resources
+    participant: Participant  # its hooks
+
+    def app(self) -> web.Application | ASGIApp:
+        """The server's data routes (an unfrozen aiohttp app, or any ASGI app)."""
+        ...
+
+    def attach(self, controller: ParticipantController) -> None:
+        """Give the data routes the controller (retire marks, notify); only when enabled."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release what the server holds, after its routes stopped serving."""
+        ...
+
+
+class ServerSpec(msgspec.Struct, frozen=True, kw_only=True):
+    kind: str
+    name: str
+    factory: str = ""  # "module:function"; empty for a sidecar
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+    host: str = "127.0.0.1"
+    port: int = 0
+    settings: dict[str, Any] = msgspec.field(default_factory=dict)  # the checkpoint block
+    url: str | None = None  # sidecar: the base URL of a server running in its own process
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown participant kind {self.kind!r}; expected one of {KINDS}")
+        if not self.name or "/" in self.name:
+            raise ValueError(f"server name {self.name!r} must be non-empty and contain no '/'")
+        if (self.url is not None) == bool(self.factory):
+            raise ValueError("a spec names exactly one of a factory ('module:function') or a url")
+
+    def __repr__(self) -> str:
+        # The settings hold the control token: never print them.
+        where = self.url or f"{self.factory} on {self.host}:{self.port}"
+        return f"ServerSpec({self.kind}/{self.name}, {where})"
+
+    @property
+    def actor_name(self) -> str:
+        return actor_name(self.kind, self.name)
+
+    def checkpoint_settings(self) -> CheckpointSettings:
+        return CheckpointSettings.model_validate(self.settings)
+
+
+def current_node_id() -> str:
+    """The Ray node this process runs on (the default placement of a host)."""
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id())
+
+
+def actor_name(kind: str, name: str) -> str:
+    return f"{kind}/{name}"
+
+
+def settings_dict(settings: CheckpointSettings) -> dict[str, Any]:
+    """The settings as plain data for a spec, token included (specs travel to actors)."""
+    data = settings.model_dump(exclude={"control_auth_token"})
+    if settings.control_auth_token is not None:
+        data["control_auth_token"] = settings.control_auth_token.get_secret_value()
+    return data
+
+
+def import_factory(ref: str) -> Callable[..., Any]:
+    module, sep, attr = ref.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"factory {ref!r} must be 'module:function'")
+    target: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        target = getattr(target, part)
+    if not callable(target):
+        raise TypeError(f"factory {ref!r} is not callable")
+    return target  # type: ignore[no-any-return]
+
+
+def load_server(spec: ServerSpec) -> GymServer:
+    """Build the spec's Gym server (not yet serving)."""
+    if spec.url is not None:
+        raise ValueError(f"{spec!r} is a sidecar: its server runs in its own process")
+    factory = import_factory(spec.factory)
+    server = factory(name=spec.name, settings=spec.checkpoint_settings(), **spec.options)
+    if not isinstance(server, GymServer):
+        raise TypeError(f"{spec.factory} returned {type(server).__name__}, not a GymServer")
+    if server.kind != spec.kind or server.participant.kind != spec.kind:
+        raise ValueError(f"{spec.factory} built a {server.kind} server; the spec says {spec.kind}")
+    return server
+
+
+# --- serving ------------------------------------------------------------------
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (port 0: the kernel picks), bound now."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class Serving(Protocol):
+    async def stop(self) -> None:
+        """Stop accepting, let in-flight requests finish (bounded), close sockets."""
+        ...
+
+
+class _AiohttpServing:
+    def __init__(self, runner: web.AppRunner) -> None:
+        self._runner = runner
+
+    async def stop(self) -> None:
+        # cleanup() closes the listening site, waits for running handlers up to
+        # the runner's shutdown_timeout, then closes the remaining connections.
+        await self._runner.cleanup()
+
+
+class _UvicornServing:
+    def __init__(self, server: Any, task: asyncio.Task[None]) -> None:
+        self._server = server
+        self._task = task
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            if not self._task.cancelled():
+                raise
+
+
+async def serve_app(
+    app: web.Application | ASGIApp, sock: socket.socket, *, drain_s: float = DEFAULT_DRAIN_S
+) -> Serving:
+    """Serve `app` on the bound socket in the running loop until `stop()`."""
+    if isinstance(app, web.Application):
+        runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=drain_s)
+        await runner.setup()
+        try:
+            await web.SockSite(runner, sock).start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        return _AiohttpServing(runner)
+    return await _serve_asgi(app, sock, drain_s)
+
+
+async def _serve_asgi(app: ASGIApp, sock: socket.socket, drain_s: float) -> Serving:
+    import uvicorn
+
+    config = uvicorn.Config(
+        app,
+        loop="none",  # the actor's loop is already running
+        lifespan="off",
+        log_config=None,  # leave the host process's logging alone
+        access_log=False,
+        timeout_graceful_shutdown=max(int(drain_s), 1),
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    # Startup is quick; wait so a failed start is raised here, not lost.
+    while not server.started:
+        if task.done():
+            task.result()
+            raise RuntimeError("uvicorn stopped before it started")
+        await asyncio.sleep(0.01)
+    return _UvicornServing(server, task)
+
+
+def socket_address(sock: socket.socket) -> tuple[str, int]:
+    host, port = sock.getsockname()[:2]
+    return str(host), int(port)
