@@ -172,10 +172,8 @@ async def test_resume_stops_a_write_so_nothing_publishes() -> None:
 async def test_commit_scope_releases_unclaimed_restored_state() -> None:
     c, p, store, _ = make()
     store.data[("/old", "environment", "env0")] = (
-        __import__("tests.unit.fakes", fromlist=["Manifest"]).Manifest(
-            "c0", "environment", "env0", 2
-        ),
-        [__import__("ray_ckpt").Record("a", 1), __import__("ray_ckpt").Record("b-a1", 2)],
+        Manifest("c0", "environment", "env0", 2),
+        [Record("a", 1), Record("b-a1", 2)],
     )
     restored = await c.handle(
         "restore",
