@@ -190,6 +190,22 @@ async def test_placement_naming_and_get_if_exists(start: Start, namespace: str) 
         start_host(spec, namespace="")
 
 
+async def test_a_host_that_cannot_bind_dies_at_creation(start: Start) -> None:
+    from ray.exceptions import RayActorError
+
+    _, info = await start(spec_for("first", "aiohttp"))
+    taken = ServerSpec(
+        kind="environment",
+        name="second",
+        factory=FACTORIES["aiohttp"],
+        port=info["port"],
+        settings=spec_for("x", "aiohttp").settings,
+    )
+    # __init__ binds synchronously, so the error is the actor's cause of death.
+    with pytest.raises(RayActorError, match="Address already in use"):
+        await start(taken)
+
+
 async def test_graceful_stop_drains_in_flight_data_calls(
     start: Start, http: aiohttp.ClientSession
 ) -> None:
