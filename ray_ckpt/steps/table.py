@@ -39,6 +39,9 @@ class EpisodeSteps:
         self._live: dict[EpisodeId, Episode] = {}
         self._restored: dict[EpisodeId, Restored] = {}  # by the replacement attempt
         self._counts: Counter[EpisodeState] = Counter()
+        # Live and restored attempts per rollout: begin checks supersession
+        # without scanning every episode.
+        self._attempts: dict[str, Counter[int]] = {}
         self._open = True
         self._opened = asyncio.Event()
         self._opened.set()
@@ -137,6 +140,8 @@ class EpisodeSteps:
         )
         self._served = True
         self._live[episode_id] = ep
+        if restored is None:  # a replacement takes over its restored entry's slot
+            self._index(episode_id, +1)
         self._counts[ep.state] += 1
         self._changed()
         return ep
@@ -147,9 +152,17 @@ class EpisodeSteps:
             if current.retire_requested:
                 raise StaleAttempt(f"episode {episode_id} is being retired")
             raise InvalidRequest(f"episode {episode_id} is already live")
-        for other in (*self._live, *self._restored):
-            if other.rollout_id == episode_id.rollout_id and other.attempt > episode_id.attempt:
-                raise StaleAttempt(f"episode {episode_id}: attempt {other.attempt} supersedes it")
+        newest = max(self._attempts.get(episode_id.rollout_id, ()), default=-1)
+        if newest > episode_id.attempt:
+            raise StaleAttempt(f"episode {episode_id}: attempt {newest} supersedes it")
+
+    def _index(self, eid: EpisodeId, delta: int) -> None:
+        attempts = self._attempts.setdefault(eid.rollout_id, Counter())
+        attempts[eid.attempt] += delta
+        if attempts[eid.attempt] <= 0:
+            del attempts[eid.attempt]
+        if not attempts:
+            del self._attempts[eid.rollout_id]
 
     def claim(self, episode_id: EpisodeId) -> Any:
         """Hand a restored boundary to the replacement attempt, exactly once."""
@@ -249,6 +262,8 @@ class EpisodeSteps:
             raise InvalidPhase("install needs an EpisodeSteps that has served no episode")
         staged = stage_records(records, {eid.rollout_id for eid in self._restored})
         self._restored.update(staged)
+        for eid in staged:
+            self._index(eid, +1)
         self._changed()
         return list(staged)
 
@@ -258,6 +273,7 @@ class EpisodeSteps:
         freed = [eid for eid in self._restored if eid not in kept]
         for eid in freed:
             del self._restored[eid]
+            self._index(eid, -1)
         if freed:
             self._changed()
         return sorted(eid.capture_key for eid in freed)
@@ -287,6 +303,7 @@ class EpisodeSteps:
         keys: set[str] = set()
         for eid in [eid for eid in self._restored if covered(eid)]:
             del self._restored[eid]
+            self._index(eid, -1)
             keys.add(eid.capture_key)
         me = asyncio.current_task()
         stopping: set[asyncio.Task[Any]] = set()
@@ -342,6 +359,7 @@ class EpisodeSteps:
         ep.closed = True
         if self._live.get(ep.id) is ep:
             del self._live[ep.id]
+            self._index(ep.id, -1)
             self._counts[ep.state] -= 1
         self._changed()
 

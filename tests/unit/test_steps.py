@@ -428,3 +428,11 @@ async def test_begin_refuses_duplicates_and_superseded_attempts() -> None:
             ep.step("wait")
     ep.close()
     assert not steps.fresh()
+    steps.begin(EpisodeId("r", 1)).close()  # nothing newer is left once r-a2 ends
+
+    restored = EpisodeSteps()
+    restored.install([Record("r", {"boundary": None, "step": 0})])
+    with pytest.raises(StaleAttempt):
+        restored.begin(EpisodeId("r"))
+    assert restored.delete_restored([]) == ["r-a1"]
+    restored.begin(EpisodeId("r")).close()

@@ -58,6 +58,7 @@ async def test_retire_mid_step_runs_cleanup_frees_state_and_leaves_no_task() -> 
     assert report.counts == {}
     assert report.blocker_count == 0
     assert asyncio.all_tasks() == before
+    steps.begin(EpisodeId("r")).close()  # nothing of r-a1 is left to supersede it
 
 
 async def test_a_step_that_ignores_cancellation_is_a_retiring_blocker() -> None:
