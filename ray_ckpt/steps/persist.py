@@ -1,4 +1,4 @@
-"""Episode records: what a checkpoint exports and how a restore validates it.
+"""What leaves an episode table: readiness reports and checkpoint records.
 
 A record's state is ``{"boundary": <JSON>, "step": <index of the next step>}``.
 A restored episode whose replacement has not begun is exported again with the
@@ -7,6 +7,8 @@ state it was restored from, under the replacement attempt's key.
 
 from __future__ import annotations
 
+import heapq
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -14,7 +16,43 @@ from ray_ckpt.errors import InvalidCheckpointState, InvalidPhase, InvalidRequest
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.records import Record, check_json
 from ray_ckpt.steps.episode import Episode, Restored
-from ray_ckpt.steps.modes import BLOCKING
+from ray_ckpt.steps.modes import BLOCKING, EpisodeState
+from ray_ckpt.wire import Blocker, PrepareReport
+
+
+def build_report(
+    live: Iterable[Episode],
+    counts: Counter[EpisodeState],
+    restored: int,
+    limit: int,
+    now: float,
+) -> PrepareReport:
+    eps = list(live)
+    blocking = [ep for ep in eps if ep.state in BLOCKING]
+    listed = heapq.nsmallest(max(limit, 0), blocking, key=lambda ep: ep.key)
+    by_state = {state.value: n for state, n in counts.items() if n}
+    if restored:
+        by_state["restored"] = restored
+    return PrepareReport(
+        ready=not blocking,
+        blockers=[_blocker(ep, now) for ep in listed],
+        blocker_count=len(blocking),
+        counts=by_state,
+        restarts=sorted(ep.key for ep in eps if ep.restart),
+    )
+
+
+def _blocker(ep: Episode, now: float) -> Blocker:
+    step = ep.current
+    started = step.started if step is not None and step.started is not None else ep.since
+    return Blocker(
+        key=ep.key,
+        state=ep.state.value,
+        step=step.index if step is not None else ep.step_index,
+        mode=step.mode.value if step is not None else None,
+        running_s=now - started,
+        detail=step.name if step is not None else "",
+    )
 
 
 def export_records(

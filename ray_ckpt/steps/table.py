@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import heapq
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -23,8 +22,8 @@ from ray_ckpt.identity import EpisodeId
 from ray_ckpt.records import Record
 from ray_ckpt.steps.episode import _UNSET, Episode, Restored, Step
 from ray_ckpt.steps.modes import BLOCKING, EpisodeState, StepMode
-from ray_ckpt.steps.persist import export_records, stage_records
-from ray_ckpt.wire import MAX_REPORTED_BLOCKERS, Blocker, PrepareReport
+from ray_ckpt.steps.persist import build_report, export_records, stage_records
+from ray_ckpt.wire import MAX_REPORTED_BLOCKERS, PrepareReport
 
 log = logging.getLogger(__name__)
 
@@ -90,18 +89,8 @@ class EpisodeSteps:
         return sorted(self._restored)
 
     def report(self, limit: int = MAX_REPORTED_BLOCKERS) -> PrepareReport:
-        now = self.clock.now()
-        blocking = [ep for ep in self._live.values() if ep.state in BLOCKING]
-        listed = heapq.nsmallest(max(limit, 0), blocking, key=lambda ep: ep.key)
-        counts = {state.value: n for state, n in self._counts.items() if n}
-        if self._restored:
-            counts["restored"] = len(self._restored)
-        return PrepareReport(
-            ready=not blocking,
-            blockers=[_blocker(ep, now) for ep in listed],
-            blocker_count=len(blocking),
-            counts=counts,
-            restarts=sorted(ep.key for ep in self._live.values() if ep.restart),
+        return build_report(
+            self._live.values(), self._counts, len(self._restored), limit, self.clock.now()
         )
 
     # --- handler side ----------------------------------------------------------
@@ -370,16 +359,3 @@ class EpisodeSteps:
             self._notify()
         except Exception:  # a broken callback must not break a data-plane handler
             log.exception("episode steps: notify callback failed")
-
-
-def _blocker(ep: Episode, now: float) -> Blocker:
-    step = ep.current
-    started = step.started if step is not None and step.started is not None else ep.since
-    return Blocker(
-        key=ep.key,
-        state=ep.state.value,
-        step=step.index if step is not None else ep.step_index,
-        mode=step.mode.value if step is not None else None,
-        running_s=now - started,
-        detail=step.name if step is not None else "",
-    )
