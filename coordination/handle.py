@@ -1,0 +1,247 @@
+"""The programmatic handle: attach to a cluster, get the coordinator, drive it.
+
+```python
+from coordination import connect
+
+gym = connect(namespace="rl-run-7")              # ray.init(address="auto") if needed
+result = gym.checkpoint("/ckpt/step-100", scope=continued)
+gym.restore("/ckpt/step-100", episode_ids=continued)
+```
+
+Every method has an async twin (`acheckpoint`, `arestore`, ...).  Errors are
+the typed `ray_ckpt.errors` ones (e.g. `CoordinationFailed` with `failures`),
+not Ray wrappers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from coordination.coordinator import COORDINATOR_NAME, get_or_create_coordinator
+from coordination.hosts import _unwrap_ray_error
+from coordination.results import (
+    CheckpointResult,
+    CommitResult,
+    CoordinatorStatus,
+    ForgetResult,
+    PrepareResult,
+    RestoreResult,
+    ResumeResult,
+    RetireResult,
+)
+from ray_ckpt.errors import CheckpointError, ParticipantUnavailable
+from ray_ckpt.identity import EpisodeId
+
+EpisodeLike = EpisodeId | str | tuple[str, int]
+
+
+def episodes(items: Iterable[EpisodeLike] | None) -> list[EpisodeId] | None:
+    """EpisodeIds from EpisodeIds, capture keys (`r`, `r-a2`) or (rollout, attempt)."""
+    if items is None:
+        return None
+    out: list[EpisodeId] = []
+    for e in items:
+        if isinstance(e, EpisodeId):
+            out.append(e)
+        elif isinstance(e, str):
+            out.append(EpisodeId.from_capture_key(e))
+        else:
+            out.append(EpisodeId(e[0], e[1]))
+    return out
+
+
+class CoordinatorHandle:
+    def __init__(self, actor: Any, namespace: str) -> None:
+        self.actor = actor
+        self.namespace = namespace
+
+    def _sync(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        import ray
+
+        try:
+            return ray.get(getattr(self.actor, method).remote(*args, **kwargs))
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise _unwrap_ray_error(exc, f"coordinator {method}") from None
+
+    async def _async(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await getattr(self.actor, method).remote(*args, **kwargs)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise _unwrap_ray_error(exc, f"coordinator {method}") from None
+
+    # --- checkpoint ------------------------------------------------------------
+    def checkpoint(
+        self,
+        checkpoint_dir: str,
+        scope: Iterable[EpisodeLike] | None = None,
+        *,
+        resume: bool = True,
+        stop: bool = False,
+        prepare_s: float | None = None,
+        commit_s: float | None = None,
+    ) -> CheckpointResult:
+        """prepare → commit (scope) → Gym manifest → resume; `resume=False` keeps it
+        open for publishing (call `resume()` after)."""
+        res: CheckpointResult = self._sync(
+            "checkpoint", str(checkpoint_dir), episodes(scope), resume, stop, prepare_s, commit_s
+        )
+        return res
+
+    async def acheckpoint(
+        self,
+        checkpoint_dir: str,
+        scope: Iterable[EpisodeLike] | None = None,
+        *,
+        resume: bool = True,
+        stop: bool = False,
+        prepare_s: float | None = None,
+        commit_s: float | None = None,
+    ) -> CheckpointResult:
+        res: CheckpointResult = await self._async(
+            "checkpoint", str(checkpoint_dir), episodes(scope), resume, stop, prepare_s, commit_s
+        )
+        return res
+
+    def prepare(self, deadline_s: float | None = None) -> PrepareResult:
+        res: PrepareResult = self._sync("prepare", deadline_s)
+        return res
+
+    async def aprepare(self, deadline_s: float | None = None) -> PrepareResult:
+        res: PrepareResult = await self._async("prepare", deadline_s)
+        return res
+
+    def commit(
+        self, checkpoint_dir: str, scope: Iterable[EpisodeLike] | None = None, *, stop: bool = False
+    ) -> CommitResult:
+        res: CommitResult = self._sync("commit", str(checkpoint_dir), episodes(scope), stop)
+        return res
+
+    async def acommit(
+        self, checkpoint_dir: str, scope: Iterable[EpisodeLike] | None = None, *, stop: bool = False
+    ) -> CommitResult:
+        res: CommitResult = await self._async("commit", str(checkpoint_dir), episodes(scope), stop)
+        return res
+
+    def resume(self) -> ResumeResult:
+        res: ResumeResult = self._sync("resume")
+        return res
+
+    async def aresume(self) -> ResumeResult:
+        res: ResumeResult = await self._async("resume")
+        return res
+
+    def renew(self) -> dict[str, float | None]:
+        res: dict[str, float | None] = self._sync("renew")
+        return res
+
+    async def arenew(self) -> dict[str, float | None]:
+        res: dict[str, float | None] = await self._async("renew")
+        return res
+
+    # --- restore / retire / forget ---------------------------------------------
+    def restore(
+        self, checkpoint_dir: str, episode_ids: Iterable[EpisodeLike], *, resume: bool = True
+    ) -> RestoreResult:
+        res: RestoreResult = self._sync(
+            "restore", str(checkpoint_dir), episodes(episode_ids), resume
+        )
+        return res
+
+    async def arestore(
+        self, checkpoint_dir: str, episode_ids: Iterable[EpisodeLike], *, resume: bool = True
+    ) -> RestoreResult:
+        res: RestoreResult = await self._async(
+            "restore", str(checkpoint_dir), episodes(episode_ids), resume
+        )
+        return res
+
+    def retire(self, rollout: str, attempt: int = 0) -> RetireResult:
+        res: RetireResult = self._sync("retire", [EpisodeId(rollout, attempt)])
+        return res
+
+    async def aretire(self, rollout: str, attempt: int = 0) -> RetireResult:
+        res: RetireResult = await self._async("retire", [EpisodeId(rollout, attempt)])
+        return res
+
+    def retire_many(self, episode_ids: Iterable[EpisodeLike]) -> RetireResult:
+        res: RetireResult = self._sync("retire", episodes(episode_ids))
+        return res
+
+    def forget(self, rollout_ids: Iterable[str]) -> ForgetResult:
+        res: ForgetResult = self._sync("forget", list(rollout_ids))
+        return res
+
+    async def aforget(self, rollout_ids: Iterable[str]) -> ForgetResult:
+        res: ForgetResult = await self._async("forget", list(rollout_ids))
+        return res
+
+    # --- status / membership ---------------------------------------------------
+    def status(self) -> CoordinatorStatus:
+        res: CoordinatorStatus = self._sync("status")
+        return res
+
+    async def astatus(self) -> CoordinatorStatus:
+        res: CoordinatorStatus = await self._async("status")
+        return res
+
+    def register_actor(self, kind: str, name: str, handle: Any = None) -> str:
+        key: str = self._sync("register_actor", kind, name, handle)
+        return key
+
+    def register_http(self, kind: str, name: str, url: str, token: str, **pool: int) -> str:
+        key: str = self._sync("register_http", kind, name, url, token, **pool)
+        return key
+
+    def register_trainer(self, handle: Any, **options: Any) -> None:
+        """`options`: pause_method, resume_method, pass_args, mode ("full"|"barrier")."""
+        self._sync("register_pause", "trainer", handle, **options)
+
+    def register_assembler(self, handle: Any, **options: Any) -> None:
+        self._sync("register_pause", "assembler", handle, **options)
+
+    def discover(self) -> list[str]:
+        keys: list[str] = self._sync("discover", refresh=True)
+        return keys
+
+    def ping(self) -> str | None:
+        """Wait until the coordinator is up (and has recovered)."""
+        res: str | None = self._sync("ping")
+        return res
+
+
+def connect(
+    namespace: str = "ray-ckpt",
+    address: str | None = "auto",
+    *,
+    create: bool = True,
+    name: str = COORDINATOR_NAME,
+    **coordinator_options: Any,
+) -> CoordinatorHandle:
+    """Attach to Ray (only if not yet initialised) and get the named coordinator.
+
+    `address`: "auto" attaches to a running cluster, None starts a local one,
+    anything else is a cluster address.  `create=False` only finds one.
+    """
+    import ray
+
+    if not namespace:
+        raise ValueError("connect needs an explicit namespace")
+    if not ray.is_initialized():
+        ray.init(
+            address=address, namespace=namespace, ignore_reinit_error=True, log_to_driver=False
+        )
+    if create:
+        actor = get_or_create_coordinator(namespace, name=name, **coordinator_options)
+    else:
+        try:
+            actor = ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            raise ParticipantUnavailable(
+                f"no coordinator {name!r} in namespace {namespace!r}"
+            ) from None
+    return CoordinatorHandle(actor, namespace)
