@@ -206,10 +206,11 @@ async def test_a_host_that_cannot_bind_dies_at_creation(start: Start) -> None:
         await start(taken)
 
 
+@pytest.mark.parametrize("flavour", ["aiohttp", "fastapi"])
 async def test_graceful_stop_drains_in_flight_data_calls(
-    start: Start, http: aiohttp.ClientSession
+    start: Start, http: aiohttp.ClientSession, flavour: str
 ) -> None:
-    handle, info = await start(spec_for("draining", "fastapi"))
+    handle, info = await start(spec_for(f"draining-{flavour}", flavour))
     slow = asyncio.ensure_future(http.get(f"{info['url']}/slow", params={"s": "0.5"}))
     await asyncio.sleep(0.2)  # the request is being handled
     stopped = await handle.stop.remote()
