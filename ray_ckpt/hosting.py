@@ -10,7 +10,9 @@ A spec with a `url` instead names a server that runs in its own process
 `serve_app` runs an aiohttp app (`AppRunner` + `SockSite`) or an ASGI app
 (uvicorn's `Server` as a task on the running loop, no extra process) on a
 socket bound synchronously, so a port-in-use error surfaces where the caller
-binds, and port 0 is resolved before anything is served.
+binds, and port 0 is resolved before anything is served.  Hosted ASGI apps
+get no lifespan events (a failed lifespan startup makes uvicorn exit the
+process): a server sets up in its factory and tears down in `aclose`.
 """
 
 from __future__ import annotations
