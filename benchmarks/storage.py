@@ -45,7 +45,7 @@ import psutil
 
 from ray_ckpt.records import Record, check_json
 from ray_ckpt.storage import read_participant, write_participant
-from ray_ckpt.storage.records_format import FRAME, MAGIC, decode_state
+from ray_ckpt.storage.records_format import FRAME, MAGIC, StateEncoder, decode_state
 
 CHUNK = 4 << 20
 
@@ -138,7 +138,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def peer_commit(directory: Path, records: list[Record]) -> Path:
-    directory.mkdir(parents=True)
+    directory.mkdir()
     tmp = directory / ".records.jsonl.tmp"
     h = hashlib.sha256()
     with open(tmp, "wb") as f:
@@ -203,35 +203,70 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 def _one_rep(
-    mix: str, rep: int, records: list[Record], base: Path, add: Callable[[str, float], None]
+    rep: int, records: list[Record], base: Path, add: Callable[[str, float], None]
 ) -> None:
+    """One repetition; the order of the three writes (and reads) rotates per rep."""
     cid = f"c{rep}"
     ours = base / "ours"
-    with PeakRss() as mem:
-        t, manifest = _timed(
-            lambda: write_participant(
-                ours, kind="bench", instance="p0", checkpoint_id=cid, records=records
+    base.mkdir(parents=True)
+    # The raw write needs our file's size, known in advance from a dry encode.
+    nbytes = records_size(records)
+    paths: dict[str, Path] = {}
+
+    def commit() -> None:
+        with PeakRss() as mem:
+            t, m = _timed(
+                lambda: write_participant(
+                    ours, kind="bench", instance="p0", checkpoint_id=cid, records=records
+                )
             )
-        )
-    add("commit_s", t)
-    add("commit_rss_mb", mem.growth_mb)
-    t, peer_path = _timed(lambda: peer_commit(base / "peer", records))
-    add("peer_commit_s", t)
-    add("raw_write_s", _timed(lambda: raw_write(base / "raw.bin", manifest.bytes))[0])
-    with PeakRss() as mem:
-        t, (_, restored) = _timed(
-            lambda: read_participant(ours, kind="bench", instance="p0", checkpoint_id=cid)
-        )
-    assert len(restored) == len(records)
-    del restored
-    add("restore_s", t)
-    add("restore_rss_mb", mem.growth_mb)
-    ours_file = ours / "gym" / "bench" / "p0" / manifest.records_file
-    add("peer_restore_s", _timed(lambda: peer_restore(peer_path))[0])
-    add("raw_read_s", _timed(lambda: raw_read(ours_file))[0])
-    add("raw_read_decode_s", _timed(lambda: raw_read_decode(ours_file))[0])
-    add("records_mb", manifest.bytes / 1e6)
-    add("peer_mb", peer_path.stat().st_size / 1e6)
+        assert m.bytes == nbytes
+        paths["ours"] = ours / "gym" / "bench" / "p0" / m.records_file
+        add("commit_s", t)
+        add("commit_rss_mb", mem.growth_mb)
+
+    def peer() -> None:
+        t, paths["peer"] = _timed(lambda: peer_commit(base / "peer", records))
+        add("peer_commit_s", t)
+
+    def raw() -> None:
+        add("raw_write_s", _timed(lambda: raw_write(base / "raw.bin", nbytes))[0])
+
+    def restore() -> None:
+        with PeakRss() as mem:
+            t, (_, restored) = _timed(
+                lambda: read_participant(ours, kind="bench", instance="p0", checkpoint_id=cid)
+            )
+        assert len(restored) == len(records)
+        del restored
+        add("restore_s", t)
+        add("restore_rss_mb", mem.growth_mb)
+
+    def peer_read() -> None:
+        with PeakRss() as mem:
+            t, _ = _timed(lambda: peer_restore(paths["peer"]))
+        add("peer_restore_s", t)
+        add("peer_restore_rss_mb", mem.growth_mb)
+
+    def raw_reads() -> None:
+        add("raw_read_s", _timed(lambda: raw_read(paths["ours"]))[0])
+        add("raw_read_decode_s", _timed(lambda: raw_read_decode(paths["ours"]))[0])
+
+    for group in ([commit, peer, raw], [restore, peer_read, raw_reads]):
+        k = rep % len(group)
+        for step in group[k:] + group[:k]:
+            step()
+    add("records_mb", nbytes / 1e6)
+    add("peer_mb", paths["peer"].stat().st_size / 1e6)
+
+
+def records_size(records: list[Record]) -> int:
+    enc, total = StateEncoder(), len(MAGIC)
+    for r in records:
+        buf = bytearray()
+        enc.append(buf, r.key, r.state)
+        total += len(buf)
+    return total
 
 
 def run_mix(mix: str, records: list[Record], reps: int, root: Path) -> dict[str, float]:
@@ -243,7 +278,7 @@ def run_mix(mix: str, records: list[Record], reps: int, root: Path) -> dict[str,
     add("check_s", _timed(lambda: [check_json(r.state, episode=r.key) for r in records])[0])
     for rep in range(reps):
         base = root / f"{mix}-{rep}"
-        _one_rep(mix, rep, records, base, add)
+        _one_rep(rep, records, base, add)
         shutil.rmtree(base)
         cur = {k: round(v[-1], 3) for k, v in samples.items() if k != "check_s"}
         print(f"[{mix} {rep + 1}/{reps}] {cur}", file=sys.stderr, flush=True)
@@ -310,6 +345,7 @@ def main(argv: list[str] | None = None) -> None:
         "check_s",
         "commit_rss_mb",
         "restore_rss_mb",
+        "peer_restore_rss_mb",
         "commit_ratio",
         "restore_ratio",
         "vs_peer_commit",

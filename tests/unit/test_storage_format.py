@@ -31,8 +31,8 @@ def roundtrip(value: Any) -> Any:
     return decode_state(StateEncoder().encode_state(value))
 
 
-# Hypothesis' default text leaves out surrogates; include them on purpose.
-texts = st.text(alphabet=st.characters(exclude_categories=()), max_size=12)
+# Hypothesis' default text leaves out surrogates; mix lone ones in on purpose.
+texts = st.text(alphabet=st.characters() | st.integers(0xD800, 0xDFFF).map(chr), max_size=12)
 scalars = (
     st.none()
     | st.booleans()
@@ -48,13 +48,13 @@ json_values = st.recursive(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(json_values)
 def test_every_json_value_round_trips_exactly(value: Any) -> None:
     assert same(roundtrip(value), value)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(json_values)
 def test_re_encoding_a_restored_value_gives_the_same_bytes(value: Any) -> None:
     enc = StateEncoder()
