@@ -1,22 +1,53 @@
-"""ray-ckpt core: identity, phases, errors, settings, wire types, storage, steps."""
+"""ray-ckpt core: identity, phases, errors, settings, wire types, storage, steps.
 
+The core knows nothing of participant kinds: `participants` implements the
+hooks per kind and `coordination` drives the ordered phases across them.
+Heavy pieces (Ray hosts, storage) are imported from their modules:
+`ray_ckpt.host`, `ray_ckpt.storage`, `ray_ckpt.sidecar`.
+"""
+
+from ray_ckpt.client import ControlClient, data_session
 from ray_ckpt.clock import Clock, ManualClock, SystemClock
+from ray_ckpt.controller import ParticipantController
+from ray_ckpt.episode_participant import EpisodeParticipant
 from ray_ckpt.errors import CheckpointError, Reason
 from ray_ckpt.identity import EpisodeId, parse_rollout_path, rollout_path
+from ray_ckpt.participant import KINDS, Participant
+from ray_ckpt.phases import Phase
 from ray_ckpt.records import Record, check_json
+from ray_ckpt.routes import (
+    CHECKPOINT_ROUTE_PREFIX,
+    ControlASGIMiddleware,
+    install_control_routes,
+    maybe_install_control_routes,
+)
 from ray_ckpt.settings import CheckpointSettings, load_settings, settings_from_dict
+from ray_ckpt.steps import EpisodeSteps, StepMode
 
 __all__ = [
+    "CHECKPOINT_ROUTE_PREFIX",
+    "KINDS",
     "CheckpointError",
     "CheckpointSettings",
     "Clock",
+    "ControlASGIMiddleware",
+    "ControlClient",
     "EpisodeId",
+    "EpisodeParticipant",
+    "EpisodeSteps",
     "ManualClock",
+    "Participant",
+    "ParticipantController",
+    "Phase",
     "Reason",
     "Record",
+    "StepMode",
     "SystemClock",
     "check_json",
+    "data_session",
+    "install_control_routes",
     "load_settings",
+    "maybe_install_control_routes",
     "parse_rollout_path",
     "rollout_path",
     "settings_from_dict",
