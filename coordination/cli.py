@@ -1,0 +1,211 @@
+"""`ray-ckpt`: status, checkpoint, restore, retire, inspect (and the demo).
+
+Every command that talks to the cluster attaches with `--address` (default
+"auto") and `--namespace`, and gets or creates the namespace's coordinator;
+`--json` prints one JSON object on stdout instead of a table.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+import msgspec
+
+from ray_ckpt.errors import CheckpointError, CoordinationFailed
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _cluster_options(fn: F) -> F:
+    fn = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")(fn)
+    fn = click.option("--namespace", default="ray-ckpt", show_default=True, help="Ray namespace.")(
+        fn
+    )
+    fn = click.option(
+        "--address", default="auto", show_default=True, help='Ray address ("auto" attaches).'
+    )(fn)
+    return fn
+
+
+def _emit(value: Any) -> None:
+    click.echo(msgspec.json.encode(value).decode())
+
+
+def _fail(exc: CheckpointError, as_json: bool) -> None:
+    if as_json:
+        _emit(exc.to_body())
+    else:
+        click.echo(f"error: {exc}", err=True)
+        if isinstance(exc, CoordinationFailed):
+            for who, why in sorted(exc.failures.items()):
+                click.echo(f"  {who}: {why.get('code')}: {why.get('detail')}", err=True)
+    sys.exit(1)
+
+
+def _connect(address: str, namespace: str) -> Any:
+    from coordination.handle import connect
+
+    return connect(namespace=namespace, address=None if address == "local" else address)
+
+
+def _when(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    return datetime.datetime.fromtimestamp(ts).strftime("%H:%M:%S")
+
+
+@click.group()
+def main() -> None:
+    """Checkpoint and restore Gym servers on Ray."""
+
+
+@main.command()
+@_cluster_options
+def status(address: str, namespace: str, as_json: bool) -> None:
+    """Participants, their phase, checkpoint, lease and live episodes."""
+    from rich.console import Console
+    from rich.table import Table
+
+    try:
+        st = _connect(address, namespace).status()
+    except CheckpointError as exc:
+        _fail(exc, as_json)
+    if as_json:
+        _emit(st)
+        return
+    title = f"namespace {namespace}: " + (
+        f"checkpoint {st.open_checkpoint} {st.phase}"
+        if st.open_checkpoint
+        else "no checkpoint open"
+    )
+    table = Table(title=title)
+    for col in ("participant", "kind", "phase", "checkpoint", "lease until", "live", "blockers"):
+        table.add_column(col)
+    for p in st.participants:
+        blockers = ", ".join(p.blockers[:5]) + (" …" if p.blocker_count > 5 else "")
+        table.add_row(
+            p.participant,
+            p.kind,
+            p.phase or f"[red]{p.error or '?'}[/red]",
+            p.checkpoint_id or "-",
+            _when(p.lease_expires_at),
+            "-" if p.live_executions is None else str(p.live_executions),
+            blockers or "-",
+        )
+    Console().print(table)
+
+
+@main.command()
+@click.argument("directory")
+@click.option("--scope", "scope", multiple=True, help="Capture key to continue (repeatable).")
+@click.option("--keep-open", is_flag=True, help="Do not resume (publish, then resume).")
+@_cluster_options
+def checkpoint(
+    directory: str,
+    scope: tuple[str, ...],
+    keep_open: bool,
+    address: str,
+    namespace: str,
+    as_json: bool,
+) -> None:
+    """Checkpoint every participant into DIRECTORY."""
+    try:
+        res = _connect(address, namespace).checkpoint(
+            directory, scope=list(scope) or None, resume=not keep_open
+        )
+    except CheckpointError as exc:
+        _fail(exc, as_json)
+    if as_json:
+        _emit(res)
+        return
+    click.echo(
+        f"checkpoint {res.checkpoint_id} → {res.checkpoint_dir}: {len(res.timings)} participants, "
+        f"{res.total_bytes} bytes, {res.total_s:.3f}s (prepare {res.prepare_s:.3f}s, "
+        f"commit {res.commit_s:.3f}s)"
+    )
+
+
+@main.command()
+@click.argument("directory")
+@click.option("--episode", "episodes", multiple=True, help="Capture key to restore (repeatable).")
+@_cluster_options
+def restore(
+    directory: str, episodes: tuple[str, ...], address: str, namespace: str, as_json: bool
+) -> None:
+    """Restore a fresh fleet from DIRECTORY, all or nothing."""
+    try:
+        keys = list(episodes)
+        if not keys:
+            keys = _checkpointed_episodes(directory)
+        res = _connect(address, namespace).restore(directory, keys)
+    except CheckpointError as exc:
+        _fail(exc, as_json)
+    if as_json:
+        _emit(res)
+        return
+    total = sum(len(v) for v in res.restored.values())
+    click.echo(
+        f"restored {total} episode attempts from {res.source_checkpoint_id} in {res.total_s:.3f}s"
+    )
+
+
+def _checkpointed_episodes(directory: str) -> list[str]:
+    """Every episode any participant's manifest lists (the default restore scope)."""
+    from ray_ckpt.storage import load_manifest, read_gym_manifest
+
+    gym = read_gym_manifest(directory)
+    keys: set[str] = set()
+    for e in gym.participants:
+        manifest = load_manifest(
+            directory, kind=e.kind, instance=e.instance, checkpoint_id=gym.checkpoint_id
+        )
+        keys.update(manifest.episodes)
+    return sorted(keys)
+
+
+@main.command()
+@click.argument("rollout")
+@click.argument("attempt", type=int)
+@_cluster_options
+def retire(rollout: str, attempt: int, address: str, namespace: str, as_json: bool) -> None:
+    """Stop and free ROLLOUT's attempts up to ATTEMPT everywhere (callers first)."""
+    try:
+        res = _connect(address, namespace).retire(rollout, attempt)
+    except CheckpointError as exc:
+        _fail(exc, as_json)
+    if as_json:
+        _emit(res)
+        return
+    for who, keys in sorted(res.retired.items()):
+        click.echo(f"{who}: {', '.join(keys) or '-'}")
+
+
+@main.command()
+@click.argument("directory")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def inspect(directory: str, as_json: bool) -> None:
+    """Verify and summarise a checkpoint directory (no Ray needed)."""
+    from ray_ckpt.storage.inspect import inspect_checkpoint, render_inspect
+
+    report = inspect_checkpoint(directory)
+    click.echo(msgspec.json.encode(report).decode() if as_json else render_inspect(report))
+    sys.exit(0 if report.ok else 1)
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.pass_context
+def demo(ctx: click.Context) -> None:
+    """Run the end-to-end demo (--address, --namespace, --rollouts, --steps, --json)."""
+    try:
+        module = importlib.import_module("coordination.demo")
+    except ModuleNotFoundError as exc:
+        if exc.name != "coordination.demo":
+            raise
+        click.echo("ray-ckpt demo is not available yet (coordination/demo.py is missing)", err=True)
+        sys.exit(2)
+    sys.exit(module.demo_command_main(list(ctx.args)))
