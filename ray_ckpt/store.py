@@ -84,8 +84,39 @@ class FileRecordStore:
         instance: str,
         select: Callable[[str], bool],
     ) -> tuple[Any, list[Record]]:
-        from ray_ckpt.storage import read_participant
+        """Read one participant, cross-checked against the Gym manifest when there is one.
 
+        The coordinator always writes (and on restore requires) the Gym manifest;
+        a controller that does not write one (NeMo Gym's own coordination) gets
+        the participant's manifest checked alone.  When the Gym manifest exists,
+        this participant must be listed in it with the same manifest digest, so
+        a participant directory from another commit is never installed.
+        """
+        import hashlib
+
+        from ray_ckpt.errors import InvalidCheckpointState
+        from ray_ckpt.storage import participant_dir, read_participant
+        from ray_ckpt.storage.gym_manifest import gym_manifest_path, read_gym_manifest
+        from ray_ckpt.storage.participant_store import MANIFEST_NAME
+
+        checkpoint_id: str | None = None
+        if gym_manifest_path(checkpoint_dir).exists():
+            gym = read_gym_manifest(checkpoint_dir)
+            entry = gym.entry(kind, instance)
+            path = participant_dir(checkpoint_dir, kind, instance) / MANIFEST_NAME
+            try:
+                digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            except FileNotFoundError:
+                raise InvalidCheckpointState(f"missing manifest {path}") from None
+            if digest != entry.manifest_digest:
+                raise InvalidCheckpointState(
+                    f"manifest {path} does not match the Gym manifest's digest"
+                )
+            checkpoint_id = gym.checkpoint_id
         return read_participant(
-            checkpoint_dir, kind=kind, instance=instance, checkpoint_id=None, select=select
+            checkpoint_dir,
+            kind=kind,
+            instance=instance,
+            checkpoint_id=checkpoint_id,
+            select=select,
         )
