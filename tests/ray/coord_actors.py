@@ -30,8 +30,8 @@ class RecordingHost:
         self.part = FakeParticipant(kind)
         for key in live or []:
             self.part.start(key, at_boundary=True, state={"key": key, "step": 2})
-        settings = CheckpointSettings(
-            enabled=True, control_auth_token="t", lease_grace_seconds=lease_grace_s
+        settings = CheckpointSettings.model_validate(
+            {"enabled": True, "control_auth_token": "t", "lease_grace_seconds": lease_grace_s}
         )
         self.ctrl = ParticipantController(self.part, instance=name, settings=settings)
         self.delay = delay or {}

@@ -14,7 +14,9 @@ from ray_ckpt.controller import ParticipantController
 from ray_ckpt.settings import CheckpointSettings
 from tests.unit.fakes import FakeParticipant, MemoryStore
 
-SETTINGS = CheckpointSettings(enabled=True, control_auth_token="t", lease_grace_seconds=600)
+SETTINGS = CheckpointSettings.model_validate(
+    {"enabled": True, "control_auth_token": "t", "lease_grace_seconds": 600}
+)
 FAST = Timeouts(
     prepare_s=0.3,
     commit_s=2.0,

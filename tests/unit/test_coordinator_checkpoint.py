@@ -6,8 +6,10 @@ import asyncio
 import json
 import pathlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
+import msgspec
 import pytest
 
 from coordination.hosts import FakePauseTarget
@@ -229,14 +231,14 @@ async def test_the_journal_is_written_before_each_fan_out(tmp_path: pathlib.Path
     seen: list[str] = []
     original = f.hosts["environment/env"].call
 
-    async def spy(op: str, body: dict[str, object]) -> dict[str, object]:
+    async def spy(op: str, body: Mapping[str, Any]) -> dict[str, Any]:
         if op in ("prepare", "commit", "resume"):
             data = json.loads((tmp_path / "coordinator-state.json").read_text())
             assert data["checkpoint_id"] == body["checkpoint_id"]
             seen.append(f"{op}:{data['phase']}")
         return await original(op, body)
 
-    f.hosts["environment/env"].call = spy  # type: ignore[method-assign]
+    f.hosts["environment/env"].call = spy  # type: ignore[method-assign]  # a spy on one host
     try:
         await f.core.checkpoint("/ck")
         assert seen == ["prepare:preparing", "commit:committing", "resume:resuming"]
@@ -274,7 +276,7 @@ async def test_a_new_coordinator_aborts_what_the_old_one_left_open(tmp_path: pat
 
 
 async def test_the_renewer_extends_leases_while_a_checkpoint_stays_open() -> None:
-    f = make_fleet(timeouts=FAST.__class__(**{**_fields(FAST), "renew_every_s": 0.05}))
+    f = make_fleet(timeouts=msgspec.structs.replace(FAST, renew_every_s=0.05))
     try:
         await f.core.prepare()
         await asyncio.sleep(0.3)
@@ -297,9 +299,3 @@ async def test_status_lists_every_participant(fleet: Fleet) -> None:
     assert rows["agent/agent"].phase == "idle"
     assert rows["resources/res"].error is not None
     assert status.open_checkpoint is None
-
-
-def _fields(t: object) -> dict[str, object]:
-    import msgspec
-
-    return msgspec.structs.asdict(t)  # type: ignore[arg-type]

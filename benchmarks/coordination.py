@@ -1,0 +1,219 @@
+"""Benchmark: one full checkpoint cycle through the Coordinator actor.
+
+For each P (default 4, 16, 64) it starts P participant host actors (a real
+`ParticipantController` over a trivial always-ready participant, real file
+storage), spread round-robin over the four kinds, and measures, interleaved
+over several repetitions (medians reported):
+
+- `cycle_s`: `checkpoint()` through the coordinator — prepare (4 groups),
+  commit everywhere + Gym manifest, resume (4 groups) — with empty state;
+- `rtt_s`: one Ray actor round trip to one host (a no-op method);
+- `fanout_s`: one parallel fan-out of that no-op to all P hosts.
+
+`cycle_over_fanout` = cycle_s / (9 * fanout_s): nine sequential group steps.
+Progress goes to stderr; `--json` prints `{"runs": [...]}` as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+# Run as a script, this file's directory comes first on sys.path and its name
+# would shadow the `coordination` package: put the repository root first.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if sys.path and os.path.abspath(sys.path[0]) == _HERE:
+    sys.path[0] = os.path.dirname(_HERE)
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+KINDS = ("environment", "policy_model", "agent", "resources")
+
+
+class EmptyParticipant:
+    """Always at a boundary, exports nothing: the cycle measures coordination only."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def bind(self, notify: Callable[[], None]) -> None:
+        pass
+
+    def close_admission(self) -> None:
+        pass
+
+    def open_admission(self) -> None:
+        pass
+
+    def ready(self) -> bool:
+        return True
+
+    def report(self, limit: int) -> Any:
+        from ray_ckpt.wire import PrepareReport
+
+        return PrepareReport(ready=True)
+
+    def live_executions(self) -> int:
+        return 0
+
+    def fresh(self) -> bool:
+        return True
+
+    async def export(self, scope: Sequence[Any] | None) -> list[Any]:
+        return []
+
+    async def install(self, records: Sequence[Any]) -> list[Any]:
+        return []
+
+    async def retire(self, episode_ids: Sequence[Any]) -> list[str]:
+        return []
+
+    async def delete_restored(self, keep: Sequence[Any]) -> list[str]:
+        return []
+
+
+class BenchHost:
+    def __init__(self, kind: str, name: str) -> None:
+        from ray_ckpt.controller import ParticipantController
+        from ray_ckpt.settings import CheckpointSettings
+
+        settings = CheckpointSettings.model_validate(
+            {"enabled": True, "control_auth_token": "bench"}
+        )
+        self.ctrl = ParticipantController(EmptyParticipant(kind), instance=name, settings=settings)
+
+    async def noop(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    async def status(self) -> dict[str, Any]:
+        return self.ctrl.status()
+
+    async def prepare(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.ctrl.handle("prepare", body)
+
+    async def commit(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.ctrl.handle("commit", body)
+
+    async def resume(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.ctrl.handle("resume", body)
+
+    async def renew(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.ctrl.handle("renew", body)
+
+
+def progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_one(p: int, reps: int, workdir: str) -> dict[str, float | int]:
+    import ray
+
+    from coordination.coordinator import get_or_create_coordinator
+
+    namespace = f"bench-coord-{p}-{os.getpid()}"
+    t0 = time.monotonic()
+    remote_host: Any = ray.remote(BenchHost)
+    hosts: list[Any] = [
+        remote_host.options(
+            name=f"{KINDS[i % 4]}/h{i}", namespace=namespace, num_cpus=0, max_concurrency=100
+        ).remote(KINDS[i % 4], f"h{i}")
+        for i in range(p)
+    ]
+    ray.get([h.noop.remote({}) for h in hosts])
+    coord = get_or_create_coordinator(
+        namespace, state_dir=os.path.join(workdir, f"state-{p}"), auto_discover=False
+    )
+    ray.get([coord.register_actor.remote(KINDS[i % 4], f"h{i}", h) for i, h in enumerate(hosts)])
+    progress(f"P={p}: {p} hosts up in {time.monotonic() - t0:.1f}s")
+
+    def cycle(tag: str) -> float:
+        start = time.perf_counter()
+        ray.get(coord.checkpoint.remote(os.path.join(workdir, f"ck-{p}-{tag}")))
+        return time.perf_counter() - start
+
+    def rtt() -> float:
+        start = time.perf_counter()
+        ray.get(hosts[0].noop.remote({}))
+        return time.perf_counter() - start
+
+    def fanout() -> float:
+        start = time.perf_counter()
+        ray.get([h.noop.remote({}) for h in hosts])
+        return time.perf_counter() - start
+
+    cycle("warm"), rtt(), fanout()
+    cycles, rtts, fanouts = [], [], []
+    for i in range(reps):  # interleaved, so drift hits all three alike
+        rtts.append(rtt())
+        fanouts.append(fanout())
+        cycles.append(cycle(str(i)))
+        progress(f"P={p} rep {i + 1}/{reps}: cycle {cycles[-1] * 1e3:.1f} ms")
+    for h in hosts:
+        ray.kill(h)
+    ray.kill(coord)
+    cycle_s, fanout_s = statistics.median(cycles), statistics.median(fanouts)
+    return {
+        "participants": p,
+        "cycle_s": cycle_s,
+        "rtt_s": statistics.median(rtts),
+        "fanout_s": fanout_s,
+        "cycle_over_fanout": cycle_s / (9 * fanout_s),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--participants", default="4,16,64", help="comma-separated P values")
+    ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions (>= 3)")
+    ap.add_argument("--address", default=None, help="attach to a cluster instead of a local one")
+    ap.add_argument("--json", action="store_true", help='last line: {"runs": [...]}')
+    args = ap.parse_args(argv)
+    sizes = [int(x) for x in args.participants.split(",") if x]
+    reps = max(args.reps, 3)
+
+    import ray
+
+    tmp = tempfile.mkdtemp(prefix="rcb", dir="/tmp")
+    workdir = tempfile.mkdtemp(prefix="ray-ckpt-bench-")
+    if args.address:
+        ray.init(address=args.address, namespace="bench-coord", log_to_driver=False)
+    else:
+        ray.init(
+            include_dashboard=False,
+            _temp_dir=tmp,
+            namespace="bench-coord",
+            logging_level=30,  # WARNING
+            log_to_driver=False,
+        )
+    runs = []
+    try:
+        for p in sizes:
+            runs.append(run_one(p, reps, workdir))
+    finally:
+        ray.shutdown()
+        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    header = f"{'P':>4}  {'cycle ms':>9}  {'rtt ms':>7}  {'fanout ms':>9}  {'cycle/(9*fanout)':>16}"
+    print(header if not args.json else "", file=sys.stdout if not args.json else sys.stderr)
+    for r in runs:
+        line = (
+            f"{r['participants']:>4}  {r['cycle_s'] * 1e3:>9.1f}  {r['rtt_s'] * 1e3:>7.2f}  "
+            f"{r['fanout_s'] * 1e3:>9.2f}  {r['cycle_over_fanout']:>16.2f}"
+        )
+        print(line, file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps({"runs": runs}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
