@@ -1,0 +1,169 @@
+"""Launch the four reference servers as `ParticipantHost` actors on this node.
+
+```python
+config = FleetConfig(namespace="demo", token="secret", step_delay_s=0.05)
+fleet = await launch_fleet(config)        # environment, policy_model, agent, resources
+fleet.urls["environment"]                 # POST /run here (participants.rollout)
+fleet.hosts["policy_model"].prepare.remote({...})   # control, in KIND_ORDER
+fleet.kill()                              # a crash: ray.kill every host
+fleet = await launch_fleet(config)        # fresh hosts, same names; restore them
+await fleet.stop()                        # graceful
+```
+
+Hosts are named `<kind>/<name>` with `name = ref-<kind>[-<suffix>]`, so a
+relaunch with the same suffix is found by the same names.  Callees start
+first and their URLs are wired into their callers through factory options.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+from pydantic import SecretStr
+
+from ray_ckpt.host import start_host, stop_host
+from ray_ckpt.hosting import ServerSpec, actor_name, settings_dict
+from ray_ckpt.settings import CheckpointSettings
+
+# Prepare order (callers first); resume runs it in reverse.
+KIND_ORDER = ("environment", "policy_model", "agent", "resources")
+# Start order: every server's callees are up before it.
+START_ORDER = ("policy_model", "resources", "agent", "environment")
+FACTORIES = {
+    "environment": "participants.servers.environment:environment_server",
+    "policy_model": "participants.servers.model:model_server",
+    "agent": "participants.servers.agent:agent_server",
+    "resources": "participants.servers.resources:resources_server",
+}
+
+
+class FleetConfig(msgspec.Struct, frozen=True, kw_only=True):
+    namespace: str = ""
+    token: str = "ray-ckpt-reference-token"
+    checkpoint: bool = True  # the `checkpoint.enabled` flag of every server
+    lease_grace_seconds: float = 600.0
+    step_delay_s: float = 0.0  # each tool call
+    verify_delay_s: float | None = None  # each verify (default: step_delay_s)
+    token_delay_s: float = 0.0  # each generated token
+    tokens_per_turn: int = 8
+    turns_per_step: int = 2  # tool rounds per episode step
+    verify_mode: str = "wait"  # declared on the seed reply: wait | replay
+    resources_mode: str = "exported"  # exported | stateless | restart_only
+    model_seed: int = 0
+    suffix: str = ""
+
+    def server_name(self, kind: str) -> str:
+        return f"ref-{kind.replace('_', '-')}" + (f"-{self.suffix}" if self.suffix else "")
+
+    def settings(self) -> CheckpointSettings:
+        if not self.checkpoint:
+            return CheckpointSettings()
+        return CheckpointSettings(
+            enabled=True,
+            control_auth_token=SecretStr(self.token),
+            lease_grace_seconds=self.lease_grace_seconds,
+        )
+
+
+def factory_options(
+    kind: str, config: FleetConfig, urls: dict[str, str]
+) -> tuple[str, dict[str, Any]]:
+    """The factory and its options for `kind`, given the URLs started so far."""
+    options: dict[str, Any]
+    if kind == "policy_model":
+        options = {
+            "seed": config.model_seed,
+            "tokens_per_turn": config.tokens_per_turn,
+            "token_delay_s": config.token_delay_s,
+        }
+    elif kind == "resources":
+        options = {
+            "mode": config.resources_mode,
+            "verify_mode": config.verify_mode,
+            "step_delay_s": config.step_delay_s,
+            "verify_delay_s": config.verify_delay_s,
+        }
+    elif kind == "agent":
+        options = {
+            "model_url": urls["policy_model"],
+            "resources_url": urls["resources"],
+            "turns_per_step": config.turns_per_step,
+            "tokens_per_turn": config.tokens_per_turn,
+        }
+    elif kind == "environment":
+        options = {"agent_url": urls["agent"], "resources_url": urls["resources"]}
+    else:
+        raise ValueError(f"unknown kind {kind!r}")
+    return FACTORIES[kind], options
+
+
+class Fleet:
+    """Handles and URLs of one launched fleet."""
+
+    def __init__(self, config: FleetConfig) -> None:
+        self.config = config
+        self.hosts: dict[str, Any] = {}
+        self.urls: dict[str, str] = {}
+        self.info: dict[str, dict[str, Any]] = {}
+
+    @property
+    def names(self) -> dict[str, str]:
+        """Actor names, `<kind>/<name>`, by kind."""
+        return {k: actor_name(k, self.config.server_name(k)) for k in KIND_ORDER}
+
+    def ordered(self) -> list[tuple[str, Any]]:
+        """(kind, handle) in prepare order."""
+        return [(k, self.hosts[k]) for k in KIND_ORDER if k in self.hosts]
+
+    def kill(self) -> None:
+        """A crash: end every host process now, without draining anything."""
+        import ray
+
+        for handle in self.hosts.values():
+            ray.kill(handle, no_restart=True)
+
+    async def stop(self, *, timeout_s: float = 30.0) -> None:
+        """Graceful stop, callers first, so no server is called after it stopped."""
+        for kind in KIND_ORDER:
+            if kind in self.hosts:
+                await stop_host(self.hosts[kind], timeout_s=timeout_s)
+
+
+async def launch_fleet(config: FleetConfig, *, start_timeout_s: float = 60.0) -> Fleet:
+    """Start the four hosts on the caller's node and wait until each serves."""
+    if not config.namespace:
+        raise ValueError("a fleet needs an explicit Ray namespace")
+    fleet = Fleet(config)
+    settings = settings_dict(config.settings())
+    try:
+        for kind in START_ORDER:
+            factory, options = factory_options(kind, config, fleet.urls)
+            spec = ServerSpec(
+                kind=kind,
+                name=config.server_name(kind),
+                factory=factory,
+                options=options,
+                settings=settings,
+            )
+            fleet.hosts[kind] = await _start(spec, config.namespace)
+            info = await asyncio.wait_for(fleet.hosts[kind].ready.remote(), start_timeout_s)
+            fleet.info[kind] = info
+            fleet.urls[kind] = info["url"]
+    except BaseException:
+        fleet.kill()
+        raise
+    return fleet
+
+
+async def _start(spec: ServerSpec, namespace: str, attempts: int = 50) -> Any:
+    # A name freed by ray.kill can take a moment to become available again.
+    for attempt in range(attempts):
+        try:
+            return start_host(spec, namespace=namespace, get_if_exists=False)
+        except ValueError:
+            if attempt == attempts - 1:
+                raise
+            await asyncio.sleep(0.1)
+    raise AssertionError("unreachable")

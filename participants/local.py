@@ -1,0 +1,92 @@
+"""The reference fleet in the current event loop, without Ray (tests, quick demos).
+
+Each server is built by its factory exactly as a `ParticipantHost` builds it,
+gets its own `ParticipantController` and control routes, and listens on a
+loopback port; `LocalFleet.controllers` drives the phases directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from participants.fleet import KIND_ORDER, START_ORDER, FleetConfig, factory_options
+from ray_ckpt.controller import ParticipantController
+from ray_ckpt.hosting import GymServer, Serving, bind_socket, import_factory, serve_app
+from ray_ckpt.hosting import socket_address as _address
+from ray_ckpt.routes import maybe_install_control_routes
+
+
+@dataclass
+class LocalServer:
+    server: GymServer
+    controller: ParticipantController | None
+    url: str
+    serving: Serving
+
+    async def stop(self) -> None:
+        await self.serving.stop()
+        if self.controller is not None:
+            await self.controller.aclose()
+        await self.server.aclose()
+
+
+@dataclass
+class LocalFleet:
+    servers: dict[str, LocalServer] = field(default_factory=dict)
+
+    @property
+    def urls(self) -> dict[str, str]:
+        return {kind: s.url for kind, s in self.servers.items()}
+
+    @property
+    def controllers(self) -> dict[str, ParticipantController]:
+        return {k: s.controller for k, s in self.servers.items() if s.controller is not None}
+
+    def server(self, kind: str) -> Any:
+        return self.servers[kind].server
+
+    async def stop(self) -> None:
+        """Stop in call order (callers first), so no server is called after it stopped."""
+        for kind in KIND_ORDER:
+            if kind in self.servers:
+                await self.servers.pop(kind).stop()
+
+
+async def start_local_server(
+    kind: str, factory: str, name: str, config: FleetConfig, **options: Any
+) -> LocalServer:
+    settings = config.settings()
+    server = import_factory(factory)(name=name, settings=settings, **options)
+    if not isinstance(server, GymServer) or server.kind != kind:
+        raise TypeError(f"{factory} did not build a {kind} server")
+    app = server.app()
+    if not isinstance(app, web.Application):
+        raise TypeError("the reference servers are aiohttp apps")
+    controller = None
+    if settings.enabled:
+        controller = ParticipantController(server.participant, instance=name, settings=settings)
+        server.attach(controller)
+        maybe_install_control_routes(app, controller, settings)
+        controller.start()
+    sock = bind_socket("127.0.0.1", 0)
+    host, port = _address(sock)
+    serving = await serve_app(app, sock, drain_s=1.0)
+    return LocalServer(server, controller, f"http://{host}:{port}", serving)
+
+
+async def start_local_fleet(config: FleetConfig) -> LocalFleet:
+    """Start the four reference servers in this loop, callees first."""
+    fleet = LocalFleet()
+    try:
+        for kind in START_ORDER:
+            factory, options = factory_options(kind, config, fleet.urls)
+            fleet.servers[kind] = await start_local_server(
+                kind, factory, config.server_name(kind), config, **options
+            )
+    except BaseException:
+        await fleet.stop()
+        raise
+    return fleet

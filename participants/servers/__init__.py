@@ -1,0 +1,1 @@
+"""Reference Gym servers, one per kind, as `GymServer` factories for `ParticipantHost`."""
