@@ -36,6 +36,7 @@ class LocalServer:
 @dataclass
 class LocalFleet:
     servers: dict[str, LocalServer] = field(default_factory=dict)
+    stopped: bool = False
 
     @property
     def urls(self) -> dict[str, str]:
@@ -49,14 +50,24 @@ class LocalFleet:
         return self.servers[kind].server
 
     async def stop(self) -> None:
-        """Stop in call order (callers first), so no server is called after it stopped."""
+        """Stop in call order (callers first); idempotent.  The servers stay
+        inspectable (stats, participants) after they stopped."""
+        if self.stopped:
+            return
+        self.stopped = True
         for kind in KIND_ORDER:
             if kind in self.servers:
-                await self.servers.pop(kind).stop()
+                await self.servers[kind].stop()
 
 
 async def start_local_server(
-    kind: str, factory: str, name: str, config: FleetConfig, **options: Any
+    kind: str,
+    factory: str,
+    name: str,
+    config: FleetConfig,
+    *,
+    drain_s: float = 0.2,
+    **options: Any,
 ) -> LocalServer:
     settings = config.settings()
     server = import_factory(factory)(name=name, settings=settings, **options)
@@ -73,7 +84,7 @@ async def start_local_server(
         controller.start()
     sock = bind_socket("127.0.0.1", 0)
     host, port = _address(sock)
-    serving = await serve_app(app, sock, drain_s=1.0)
+    serving = await serve_app(app, sock, drain_s=drain_s)
     return LocalServer(server, controller, f"http://{host}:{port}", serving)
 
 
