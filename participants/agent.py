@@ -72,7 +72,7 @@ class AgentParticipant:
 
     def report(self, limit: int) -> PrepareReport:
         report = self.steps.report(limit)
-        counts = {**report.counts, "sessions": len(self.sessions), "restored": len(self.restored)}
+        counts = {**report.counts, "sessions": self.session_count(), "restored": len(self.restored)}
         return PrepareReport(
             ready=report.ready,
             blockers=report.blockers,
@@ -139,6 +139,10 @@ class AgentParticipant:
             self.restored.discard(episode)
             self.sessions.pop(episode, None)
         return [e.capture_key for e in freed]
+
+    def session_count(self) -> int:
+        """Sessions held: between activations, or inside a live one."""
+        return len(self.sessions.keys() | {ep.id for ep in self.steps.episodes()})
 
     # --- data plane ----------------------------------------------------------
     async def wait_open(self) -> None:

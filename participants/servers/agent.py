@@ -100,7 +100,6 @@ class AgentServer(ServerBase):
         await self.participant.wait_open()
         self.check_attempt(episode)  # retired while it waited
         ep = self.participant.steps.begin(episode)
-        snapshot: dict[str, Any] | None = None
         try:
             async with ep:
                 snapshot = self._start(episode, step, observation)
@@ -110,8 +109,9 @@ class AgentServer(ServerBase):
                     snapshot = await self._run(ep, episode, snapshot)
                 return web.json_response({"result": snapshot["result"]})
         finally:
-            # The session keeps the last boundary the activation reached.
-            if not ep.retire_requested:
+            # The session keeps the last boundary the activation reached (none
+            # if it was refused before it had one).
+            if not ep.retire_requested and ep.boundary_state is not None:
                 self.participant.save(episode, ep.boundary_state)
 
     def _start(self, episode: EpisodeId, step: int, observation: str) -> dict[str, Any]:
@@ -190,7 +190,7 @@ class AgentServer(ServerBase):
             "model_refusals": self.model_refusals,
             "tool_calls": self.tool_calls,
             "activations": self.activations,
-            "sessions": len(self.participant.sessions),
+            "sessions": self.participant.session_count(),
             "live_activations": self.participant.live_executions(),
         }
 
