@@ -181,6 +181,8 @@ class ModelServer(ServerBase):
             "tokens_continued": self.continued,
             "live_calls": len(p.calls),
             "generating": sum(1 for c in p.calls.values() if not c.delivering),
+            # Tokens so far of each undelivered call: how far a cut would reach.
+            "in_flight_tokens": sorted(len(c.tokens) for c in p.calls.values() if not c.delivering),
             "ledger_entries": sum(len(rows) for rows in p.ledger.values()),
             "ledgers": len(p.ledger),
             "cuts": len(p.cuts),
