@@ -7,7 +7,8 @@ Routes (each under the rollout path prefix `/ng-rollout/<key>/`):
   `x-ng-checkpoint-verify` header (and `x-ng-checkpoint-restart: 1` for a
   restart-only server).  Seeding again replaces the session (a replayed seed).
 - `POST guess` `{"value"}` and `POST hint` `{}` mutate it and answer the
-  feedback plus the session's state after the move.
+  feedback plus the session's state after the move (a stateless verifier's
+  tools are pure functions of their arguments).
 - `POST verify` scores it: `{"reward", "solved", "guesses", "hints"}`.  Pure:
   running it twice gives the same answer.  A stateless verifier scores the
   body instead: `{"seed", "final"}`.
@@ -108,6 +109,13 @@ def score(secret: int, guesses: list[int], hints: int, solved: bool) -> dict[str
     return {"reward": reward, "solved": solved, "guesses": len(guesses), "hints": hints}
 
 
+def pure_tool(name: str, args: Mapping[str, Any]) -> dict[str, Any]:
+    if name == "guess":
+        value = want_int(args, "value", high=99)
+        return {"feedback": "recorded", "state": {"last": value}}
+    return {"feedback": "no hints from a stateless verifier", "state": {}}
+
+
 class ResourcesServer(ServerBase):
     kind = "resources"
 
@@ -177,7 +185,8 @@ class ResourcesServer(ServerBase):
         episode, body, ticket = await self._enter(request, name)
         try:
             if self.mode is ResourcesMode.STATELESS:
-                raise NotFound(f"a stateless verifier has no tool {name!r}")
+                # No session: a pure tool whose answer depends on its arguments only.
+                return web.json_response(pure_tool(name, body))
             self.game.get(episode)  # unknown session: 404 before any delay
             if self.step_delay_s > 0:
                 await asyncio.sleep(self.step_delay_s)

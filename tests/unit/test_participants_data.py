@@ -14,7 +14,7 @@ import pytest
 from participants.fleet import FleetConfig
 from participants.local import LocalFleet, start_local_fleet
 from participants.rollout import make_tasks, run_episode
-from ray_ckpt.errors import ParticipantUnavailable
+from ray_ckpt.errors import ParticipantUnavailable, RestartInScope
 from ray_ckpt.identity import EpisodeId
 
 TASK = make_tasks(1, steps=2, seed=5)[0]
@@ -199,3 +199,48 @@ async def test_a_closed_model_refuses_new_calls_and_resources_hold_late_ones(
     status, reply = await asyncio.wait_for(late, 5)
     assert status == 200
     assert reply["state"]["guesses"] == [4]
+
+
+async def test_restart_only_resources_make_the_episode_a_restart_that_never_blocks(
+    http: aiohttp.ClientSession, tmp_path: Any
+) -> None:
+    fleet = await start_local_fleet(
+        FleetConfig(resources_mode="restart_only", step_delay_s=0.05, token_delay_s=0.005)
+    )
+    try:
+        env = fleet.controllers["environment"]
+        run = asyncio.create_task(
+            run_episode(http, fleet.urls["environment"], EpisodeId("r"), TASK)
+        )
+        await until(lambda: env.participant.report(10).restarts == ["r"])
+        for kind in ("environment", "policy_model", "agent", "resources"):
+            reply = await fleet.controllers[kind].handle("prepare", body("c1"))
+            assert reply["phase"] == "prepared", kind
+        assert fleet.controllers["resources"].participant.report(10).restarts == ["r"]
+        scope = [{"rollout_id": "r", "attempt": 0}]
+        commit = body("c1", checkpoint_dir=str(tmp_path), episode_ids=scope)
+        with pytest.raises(RestartInScope):
+            await env.handle("commit", commit)
+        for kind in ("resources", "agent", "policy_model", "environment"):
+            await fleet.controllers[kind].handle("resume", body("c1"))
+        reply = await asyncio.wait_for(run, 10)
+        assert reply["episode_id"] == {"rollout_id": "r", "attempt": 0}
+        assert "result" in reply
+    finally:
+        await fleet.stop()
+
+
+async def test_a_stateless_verifier_runs_episodes_and_holds_no_session(
+    http: aiohttp.ClientSession,
+) -> None:
+    fleet = await start_local_fleet(FleetConfig(resources_mode="stateless", verify_mode="wait"))
+    try:
+        reply = await run_episode(http, fleet.urls["environment"], EpisodeId("r"), TASK)
+        result = reply["result"]
+        assert result["verification"]["hints"] == 0
+        assert 0.0 <= result["reward"] <= 1.0
+        stats = fleet.server("resources").stats()
+        assert (stats["sessions"], stats["verify_mode"], stats["verifications"]) == (0, "replay", 1)
+        assert await fleet.server("resources").participant.export(None) == []
+    finally:
+        await fleet.stop()
