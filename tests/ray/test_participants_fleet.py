@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 import ray
 
-from participants.fleet import KIND_ORDER, Fleet, FleetConfig, launch_fleet
+from participants.fleet import Fleet, FleetConfig, launch_fleet
 from participants.rollout import make_tasks, result_digest, run_episode
 from ray_ckpt.identity import EpisodeId
 
@@ -141,4 +141,3 @@ async def test_a_killed_fleet_restores_and_continues_to_the_uninterrupted_result
             await new.stop(timeout_s=10)
         for handle in fleet.hosts.values():
             ray.kill(handle, no_restart=True)
-    assert KIND_ORDER[0] == "environment"
