@@ -1,0 +1,177 @@
+"""A checkpoint-crash-restore run of the reference fleet, as reusable steps.
+
+The main job (`ray-ckpt demo`) and the end-to-end suite build their runs from
+these steps: drive rollouts against a fleet, checkpoint mid-flight through the
+coordinator, crash every Gym actor, restore into a fresh fleet and continue
+each unfinished rollout as attempt + 1, then compare with an uninterrupted run
+of the same seeds.
+
+A rollout is *finished* when its `/run` reply reached the driver; *continued*
+when a restore installed its state and its next attempt ran to the end; and
+*restarted* when no state of it survived, so its next attempt started over
+from the task input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from participants.fleet import Fleet, FleetConfig, launch_fleet
+from participants.rollout import make_tasks, result_digest, run_episode
+from ray_ckpt.client import data_session
+from ray_ckpt.errors import CheckpointError
+from ray_ckpt.identity import EpisodeId
+
+OnEvent = Callable[[str, str], None]
+
+
+def _quiet(_event: str, _rollout: str) -> None:
+    return None
+
+
+@dataclass
+class Rollouts:
+    """One task per rollout, its current attempt, and what came back."""
+
+    tasks: dict[str, dict[str, Any]]
+    attempts: dict[str, int] = field(default_factory=dict)
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
+    running: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    on_event: OnEvent = _quiet
+
+    @classmethod
+    def make(cls, n: int, steps: int, seed: int, *, prefix: str = "r") -> Rollouts:
+        tasks = make_tasks(n, steps, seed)
+        return cls({f"{prefix}{i}": t for i, t in enumerate(tasks)})
+
+    def episode(self, rollout: str) -> EpisodeId:
+        return EpisodeId(rollout, self.attempts.get(rollout, 0))
+
+    def unfinished(self) -> list[EpisodeId]:
+        return [self.episode(r) for r in self.tasks if r not in self.results]
+
+    def start(
+        self,
+        session: aiohttp.ClientSession,
+        env_url: str,
+        rollout: str,
+        *,
+        attempt: int = 0,
+        delay_s: float = 0.0,
+    ) -> None:
+        self.attempts[rollout] = attempt
+        self.failures.pop(rollout, None)
+        episode = EpisodeId(rollout, attempt)
+
+        async def drive() -> None:
+            if delay_s:
+                await asyncio.sleep(delay_s)
+            try:
+                reply = await run_episode(session, env_url, episode, self.tasks[rollout])
+            except CheckpointError as exc:
+                self.failures[rollout] = str(exc)
+                self.on_event("failed", rollout)
+                return
+            if "result" in reply:
+                self.results[rollout] = reply["result"]
+                self.on_event("finished", rollout)
+            else:
+                self.failures[rollout] = str(reply.get("failure"))
+                self.on_event("failed", rollout)
+
+        self.running[rollout] = asyncio.ensure_future(drive())
+
+    async def wait(self, timeout_s: float | None = None) -> None:
+        """Wait for every running attempt to reply or fail."""
+        tasks = list(self.running.values())
+        if tasks:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.gather(*tasks)
+
+    async def abandon(self) -> None:
+        """The driver's side of a crash: in-flight calls are gone."""
+        for task in self.running.values():
+            task.cancel()
+        for task in self.running.values():
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self.running.clear()
+
+    def digests(self) -> dict[str, str]:
+        return {r: result_digest(res) for r, res in sorted(self.results.items())}
+
+
+async def uninterrupted(
+    config: FleetConfig, rollouts: Rollouts, *, stagger_s: float = 0.0
+) -> dict[str, str]:
+    """Run every rollout to the end on a fleet nobody checkpoints; their digests."""
+    fleet = await launch_fleet(config)
+    try:
+        async with data_session(1024, 512) as session:
+            for i, rollout in enumerate(rollouts.tasks):
+                rollouts.start(session, fleet.urls["environment"], rollout, delay_s=i * stagger_s)
+            await rollouts.wait()
+    finally:
+        await fleet.stop()
+    if rollouts.failures:
+        raise RuntimeError(f"uninterrupted run failed: {rollouts.failures}")
+    return rollouts.digests()
+
+
+async def fleet_stats(fleet: Fleet) -> dict[str, dict[str, Any]]:
+    """Each server's `/stats` (read before a crash: counters die with the process)."""
+    out: dict[str, dict[str, Any]] = {}
+    async with data_session(16, 16) as session:
+        for kind, url in fleet.urls.items():
+            async with session.get(url.rstrip("/") + "/stats") as resp:
+                out[kind] = await resp.json()
+    return out
+
+
+@dataclass
+class Continuation:
+    """What a restore made of the unfinished rollouts."""
+
+    continued: list[str]
+    restarted: list[str]
+    restored_keys: dict[str, list[str]]
+    restore_s: float
+
+
+async def restore_and_continue(
+    handle: Any,
+    fleet: Fleet,
+    session: aiohttp.ClientSession,
+    checkpoint_dir: str,
+    scope: Iterable[EpisodeId],
+    rollouts: Rollouts,
+) -> Continuation:
+    """Restore `scope` into `fleet` (fresh hosts), resume, and start attempt + 1 of
+    every unfinished rollout: from its restored boundary when the environment
+    installed one, else from the task input."""
+    scope = list(scope)
+    result = await handle.arestore(checkpoint_dir, scope)
+    env_keys = set()
+    for participant, keys in result.restored.items():
+        if participant.startswith("environment/"):
+            env_keys.update(keys)
+    continued: list[str] = []
+    restarted: list[str] = []
+    for episode in rollouts.unfinished():
+        nxt = episode.next()
+        (continued if nxt.capture_key in env_keys else restarted).append(episode.rollout_id)
+        rollouts.start(session, fleet.urls["environment"], episode.rollout_id, attempt=nxt.attempt)
+    return Continuation(continued, restarted, result.restored, result.total_s)
+
+
+async def crash(fleet: Fleet, rollouts: Rollouts) -> None:
+    """Kill every Gym actor (no draining), then drop the driver's in-flight calls."""
+    fleet.kill()
+    await rollouts.abandon()
