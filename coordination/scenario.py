@@ -109,15 +109,25 @@ class Rollouts:
 
 
 async def uninterrupted(
-    config: FleetConfig, rollouts: Rollouts, *, stagger_s: float = 0.0
+    config: FleetConfig,
+    rollouts: Rollouts,
+    *,
+    stagger_s: float = 0.0,
+    stats_out: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, str]:
-    """Run every rollout to the end on a fleet nobody checkpoints; their digests."""
+    """Run every rollout to the end on a fleet nobody checkpoints; their digests.
+
+    `stats_out`, when given, receives the servers' `/stats` at the end (the
+    work an uninterrupted run costs, to measure what a crash regenerates).
+    """
     fleet = await launch_fleet(config)
     try:
         async with data_session(1024, 512) as session:
             for i, rollout in enumerate(rollouts.tasks):
                 rollouts.start(session, fleet.urls["environment"], rollout, delay_s=i * stagger_s)
             await rollouts.wait()
+        if stats_out is not None:
+            stats_out.update(await fleet_stats(fleet))
     finally:
         await fleet.stop()
     if rollouts.failures:

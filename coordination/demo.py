@@ -1,0 +1,222 @@
+"""`ray-ckpt demo`: the main job.
+
+Reference servers of every kind run rollouts as `ParticipantHost` actors; a
+checkpoint is taken mid-flight (work mid-generation, mid-tool, mid-verify and
+parked); every Gym actor is killed; a fresh fleet restores and continues every
+unfinished episode as attempt + 1; the final results must equal an
+uninterrupted run of the same seeds.  With no `--address` it starts a local
+Ray (loopback only) and stops it at the end.  Exit status 0 only if every
+result is equal and nothing was lost.
+
+Also runnable as `python -m coordination.demo` (e.g. under `ray job submit`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import click
+import msgspec
+
+from coordination.demo_report import DemoReport, Ui
+from coordination.scenario import Rollouts, crash, fleet_stats, restore_and_continue, uninterrupted
+from participants.fleet import FleetConfig, launch_fleet
+from ray_ckpt.client import data_session
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    address: str | None
+    namespace: str
+    rollouts: int
+    steps: int
+    seed: int
+    checkpoint_dir: str | None
+    token_delay_s: float
+    step_delay_s: float
+    verify_delay_s: float
+    stagger_s: float
+
+
+def fleet_config(opts: DemoOptions, *, suffix: str, namespace: str) -> FleetConfig:
+    return FleetConfig(
+        namespace=namespace,
+        token=uuid.uuid4().hex,
+        token_delay_s=opts.token_delay_s,
+        step_delay_s=opts.step_delay_s,
+        verify_delay_s=opts.verify_delay_s,
+        tokens_per_turn=8,
+        turns_per_step=2,
+        model_seed=opts.seed,
+        suffix=suffix,
+    )
+
+
+async def _wait_for_mixed_work(fleet: Any, rollouts: Rollouts, timeout_s: float) -> dict[str, int]:
+    """Poll `/stats` until work is in every state (a generation, a tool call and a
+    verify in flight), or the timeout; returns what was in flight."""
+    deadline = time.monotonic() + timeout_s
+    seen: dict[str, int] = {}
+    while time.monotonic() < deadline and len(rollouts.results) < len(rollouts.tasks):
+        stats = await fleet_stats(fleet)
+        routes = stats["resources"].get("inflight_by_route", {})
+        seen = {
+            "generating": int(stats["policy_model"].get("generating", 0)),
+            "tool_calls": sum(v for k, v in routes.items() if k not in ("verify", "seed_session")),
+            "verifying": int(routes.get("verify", 0)),
+            "episodes": int(stats["environment"].get("live_episodes", 0)),
+        }
+        if seen["generating"] and seen["tool_calls"] and seen["verifying"]:
+            break
+        await asyncio.sleep(0.02)
+    return seen
+
+
+async def run_demo(opts: DemoOptions, ui: Ui) -> DemoReport:
+    from coordination.handle import connect
+
+    ns = opts.namespace
+    report = DemoReport(rollouts=opts.rollouts, steps=opts.steps)
+    ckpt_dir = opts.checkpoint_dir or tempfile.mkdtemp(prefix="ray-ckpt-demo-")
+
+    # 1. The uninterrupted run the checkpointed one must equal.
+    with ui.phase("uninterrupted run", total=opts.rollouts) as advance:
+        base = Rollouts.make(opts.rollouts, opts.steps, opts.seed)
+        base.on_event = lambda _e, _r: advance()
+        base_stats: dict[str, dict[str, Any]] = {}
+        expected = await uninterrupted(
+            fleet_config(opts, suffix="baseline", namespace=ns),
+            base,
+            stagger_s=opts.stagger_s,
+            stats_out=base_stats,
+        )
+
+    handle = connect(namespace=ns, address=opts.address)
+    config = fleet_config(opts, suffix="", namespace=ns)
+    fleet = await launch_fleet(config)
+    replacement = None
+    try:
+        handle.discover()
+        rollouts = Rollouts.make(opts.rollouts, opts.steps, opts.seed)
+        async with data_session(1024, 512) as session:
+            # 2. Rollouts, then a checkpoint while work is in flight.
+            with ui.phase("rollouts until mid-flight", total=None):
+                for i, rollout in enumerate(rollouts.tasks):
+                    rollouts.start(
+                        session, fleet.urls["environment"], rollout, delay_s=i * opts.stagger_s
+                    )
+                report.in_flight = await _wait_for_mixed_work(fleet, rollouts, 60.0)
+            with ui.phase("checkpoint (prepare, commit)", total=None):
+                prepared = await handle.aprepare()
+                scope = rollouts.unfinished()
+                committed = await handle.acommit(ckpt_dir, scope)
+            report.add_checkpoint(prepared, committed)
+            before = await fleet_stats(fleet)
+            report.finished_before_crash = len(rollouts.results)
+
+            # 3. A crash before resume: every Gym actor dies.
+            with ui.phase("crash: kill every Gym actor", total=None):
+                await crash(fleet, rollouts)
+                await handle.aresume()  # the dead hosts' leases are moot; clear the open checkpoint
+
+            # 4. A fresh fleet restores and continues every unfinished rollout.
+            with ui.phase("restore into a fresh fleet", total=None):
+                replacement = await launch_fleet(config)
+                cont = await restore_and_continue(
+                    handle, replacement, session, ckpt_dir, scope, rollouts
+                )
+            report.add_restore(cont)
+            remaining = len(rollouts.running)
+            with ui.phase("continued rollouts", total=remaining) as advance:
+                rollouts.on_event = lambda _e, _r: advance()
+                await rollouts.wait(timeout_s=300)
+            after = await fleet_stats(replacement)
+        report.compare(expected, rollouts, base=base_stats, before=before, after=after)
+        return report
+    finally:
+        if replacement is not None:
+            await replacement.stop()
+        fleet.kill()
+        _kill_coordinator(handle)
+
+
+def _kill_coordinator(handle: Any) -> None:
+    import ray
+
+    ray.kill(handle.actor, no_restart=True)
+
+
+def _start_ray(address: str | None, namespace: str) -> bool:
+    """Attach to `address`, or start an embedded local Ray; True if we started it."""
+    import ray
+
+    if address is not None:
+        ray.init(address=address, namespace=namespace, log_to_driver=False)
+        return False
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        namespace=namespace,
+        # Unix socket paths are limited to ~107 chars: a short temp dir.
+        _temp_dir=tempfile.mkdtemp(prefix="rcd", dir="/tmp"),
+        logging_level=logging.WARNING,
+        log_to_driver=False,
+    )
+    return True
+
+
+@click.command(name="demo")
+@click.option(
+    "--address", default=None, help='Ray cluster to attach to ("auto"); default: start one.'
+)
+@click.option("--namespace", default=None, help="Ray namespace (default: a fresh one).")
+@click.option("--rollouts", default=8, show_default=True, type=click.IntRange(1, 256))
+@click.option("--steps", default=4, show_default=True, type=click.IntRange(1, 64))
+@click.option("--seed", default=7, show_default=True, type=int)
+@click.option("--checkpoint-dir", default=None, help="Where the checkpoint goes (default: temp).")
+@click.option("--token-delay", "token_delay_s", default=0.04, show_default=True, type=float)
+@click.option("--step-delay", "step_delay_s", default=0.1, show_default=True, type=float)
+@click.option("--verify-delay", "verify_delay_s", default=0.15, show_default=True, type=float)
+@click.option("--stagger", "stagger_s", default=0.35, show_default=True, type=float)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
+def demo_cli(as_json: bool, namespace: str | None, **kwargs: Any) -> None:
+    """Checkpoint a fleet mid-flight, crash it, restore, continue, compare."""
+    import ray
+
+    opts = DemoOptions(namespace=namespace or f"ray-ckpt-demo-{uuid.uuid4().hex[:8]}", **kwargs)
+    ui = Ui(stderr=True)
+    started = _start_ray(opts.address, opts.namespace)
+    try:
+        report = asyncio.run(run_demo(opts, ui))
+    finally:
+        if started:
+            ray.shutdown()
+    ui.print_report(report)
+    if as_json:
+        sys.stdout.write(msgspec.json.encode(report.summary()).decode() + "\n")
+    sys.exit(0 if report.ok else 1)
+
+
+def demo_command_main(args: list[str]) -> int:
+    """Entry for `ray-ckpt demo ARGS…`."""
+    try:
+        demo_cli.main(args=args, prog_name="ray-ckpt demo", standalone_mode=False)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(demo_command_main(sys.argv[1:]))

@@ -1,0 +1,165 @@
+"""What the main job measured, and how it shows it (progress bars, tables, JSON)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from coordination.results import CommitResult, PrepareResult
+from coordination.scenario import Continuation, Rollouts
+from participants.rollout import result_digest
+
+
+@dataclass
+class DemoReport:
+    rollouts: int
+    steps: int
+    in_flight: dict[str, int] = field(default_factory=dict)
+    finished_before_crash: int = 0
+    checkpoint_id: str = ""
+    prepare_s: float = 0.0
+    commit_s: float = 0.0
+    per_participant: dict[str, dict[str, Any]] = field(default_factory=dict)
+    restore_s: float = 0.0
+    continued: list[str] = field(default_factory=list)
+    restarted: list[str] = field(default_factory=list)
+    equal: bool = False
+    lost: list[str] = field(default_factory=list)
+    different: list[str] = field(default_factory=list)
+    tokens_baseline: int = 0
+    tokens_generated: int = 0
+    tokens_continued: int = 0
+    model_counts: dict[str, int] = field(default_factory=dict)
+
+    def add_checkpoint(self, prepared: PrepareResult, committed: CommitResult) -> None:
+        self.checkpoint_id = committed.checkpoint_id
+        self.prepare_s = prepared.seconds
+        self.commit_s = committed.seconds
+        for name in sorted(set(prepared.timings) | set(committed.timings)):
+            self.per_participant[name] = {
+                "prepare_s": prepared.timings.get(name, 0.0),
+                "commit_s": committed.timings.get(name, 0.0),
+                "bytes": committed.bytes.get(name, 0),
+                "episodes": len(committed.episode_ids.get(name, [])),
+            }
+
+    def add_restore(self, cont: Continuation) -> None:
+        self.restore_s = cont.restore_s
+        self.continued = sorted(cont.continued)
+        self.restarted = sorted(cont.restarted)
+
+    def compare(
+        self,
+        expected: dict[str, str],
+        rollouts: Rollouts,
+        *,
+        base: dict[str, dict[str, Any]],
+        before: dict[str, dict[str, Any]],
+        after: dict[str, dict[str, Any]],
+    ) -> None:
+        self.lost = sorted(r for r in rollouts.tasks if r not in rollouts.results)
+        self.different = sorted(
+            r for r, res in rollouts.results.items() if result_digest(res) != expected.get(r)
+        )
+        self.equal = not self.lost and not self.different and len(expected) == self.rollouts
+        self.tokens_baseline = int(base.get("policy_model", {}).get("tokens_generated", 0))
+        self.tokens_generated = sum(
+            int(s.get("policy_model", {}).get("tokens_generated", 0)) for s in (before, after)
+        )
+        self.tokens_continued = int(after.get("policy_model", {}).get("tokens_continued", 0))
+        for stats in (before, after):
+            for k, v in (stats.get("policy_model", {}).get("counts") or {}).items():
+                self.model_counts[k] = self.model_counts.get(k, 0) + int(v)
+
+    @property
+    def bytes(self) -> int:
+        return sum(int(p["bytes"]) for p in self.per_participant.values())
+
+    @property
+    def ok(self) -> bool:
+        return self.equal
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "rollouts": self.rollouts,
+            "steps": self.steps,
+            "equal": self.equal,
+            "episodes_finished_before_crash": self.finished_before_crash,
+            "episodes_continued": len(self.continued),
+            "episodes_restarted": len(self.restarted),
+            "lost": self.lost,
+            "different": self.different,
+            "checkpoint_id": self.checkpoint_id,
+            "checkpoint_s": round(self.prepare_s + self.commit_s, 4),
+            "prepare_s": round(self.prepare_s, 4),
+            "commit_s": round(self.commit_s, 4),
+            "restore_s": round(self.restore_s, 4),
+            "bytes": self.bytes,
+            "in_flight_at_checkpoint": self.in_flight,
+            "tokens_regenerated": max(self.tokens_generated - self.tokens_baseline, 0),
+            "tokens_continued_from_cuts": self.tokens_continued,
+            "generation_cuts": self.model_counts,
+            "participants": self.per_participant,
+        }
+
+
+class Ui:
+    """Progress bars on stderr while the job runs; tables on stdout at the end."""
+
+    def __init__(self, *, stderr: bool = True) -> None:
+        self.progress_console = Console(stderr=stderr)
+        self.out = Console()
+
+    @contextlib.contextmanager
+    def phase(self, name: str, total: int | None) -> Iterator[Callable[[], None]]:
+        columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn()]
+        columns += [TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn()]
+        with Progress(*columns, console=self.progress_console, transient=False) as progress:
+            task = progress.add_task(name, total=total)
+
+            def advance() -> None:
+                progress.advance(task)
+
+            yield advance
+            if total is None:
+                progress.update(task, total=1, completed=1)
+
+    def print_report(self, r: DemoReport) -> None:
+        s = r.summary()
+        run = Table(title="ray-ckpt demo", show_header=False)
+        run.add_column("what")
+        run.add_column("value", justify="right")
+        for label, value in (
+            ("rollouts x steps", f"{r.rollouts} x {r.steps}"),
+            ("in flight at checkpoint", ", ".join(f"{k} {v}" for k, v in r.in_flight.items())),
+            ("finished before the crash", str(r.finished_before_crash)),
+            ("episodes continued", str(len(r.continued))),
+            ("episodes restarted", str(len(r.restarted))),
+            ("checkpoint (prepare + commit)", f"{s['checkpoint_s']:.3f} s"),
+            ("restore", f"{r.restore_s:.3f} s"),
+            ("checkpoint size", f"{r.bytes:,} B"),
+            ("tokens regenerated after crash", str(s["tokens_regenerated"])),
+            ("tokens continued from cuts", str(r.tokens_continued)),
+            ("lost", ", ".join(r.lost) or "none"),
+            ("equal to uninterrupted run", "yes" if r.equal else "NO"),
+        ):
+            run.add_row(label, value)
+        parts = Table(title="per participant")
+        for col in ("participant", "prepare s", "commit s", "bytes", "episodes"):
+            parts.add_column(col, justify="left" if col == "participant" else "right")
+        for name, p in r.per_participant.items():
+            parts.add_row(
+                name,
+                f"{p['prepare_s']:.3f}",
+                f"{p['commit_s']:.3f}",
+                f"{p['bytes']:,}",
+                str(p["episodes"]),
+            )
+        self.out.print(run)
+        self.out.print(parts)
