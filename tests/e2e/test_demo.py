@@ -1,0 +1,42 @@
+"""The main job, in-process on the shared cluster: small, but the real flow."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordination.demo import DemoOptions, run_demo
+from coordination.demo_report import Ui
+
+pytestmark = [pytest.mark.ray]
+
+
+async def test_demo_continues_every_rollout_and_equals_the_uninterrupted_run(
+    namespace: str, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    opts = DemoOptions(
+        address=None,
+        namespace=namespace,
+        rollouts=3,
+        steps=2,
+        seed=11,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        token_delay_s=0.04,
+        step_delay_s=0.1,
+        verify_delay_s=0.15,
+        stagger_s=0.3,
+    )
+    report = await run_demo(opts, Ui())
+    summary = report.summary()
+    assert summary["equal"] is True, summary
+    assert summary["lost"] == [] and summary["different"] == []
+    # Nothing finished before the crash is redone; everything else continued.
+    assert summary["episodes_finished_before_crash"] + summary["episodes_continued"] == 3
+    assert summary["episodes_restarted"] == 0
+    assert summary["bytes"] > 0 and summary["checkpoint_s"] > 0 and summary["restore_s"] > 0
+    assert set(report.per_participant) == {
+        "environment/ref-environment",
+        "policy_model/ref-policy-model",
+        "agent/ref-agent",
+        "resources/ref-resources",
+    }
+    assert (tmp_path / "ckpt" / "gym" / "_manifest.json").exists()
