@@ -40,6 +40,7 @@ from ray_ckpt.errors import CheckpointError, NotFound, ParticipantUnavailable
 from ray_ckpt.hosting import (
     DEFAULT_DRAIN_S,
     GymServer,
+    NamedControlOps,
     ServerSpec,
     Serving,
     bind_socket,
@@ -56,7 +57,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_CONCURRENCY = 1000
 
 
-class ParticipantHost:
+class ParticipantHost(NamedControlOps):
     """Hosts one Gym server and its participant controller (use via `start_host`)."""
 
     def __init__(self, spec: ServerSpec, drain_s: float = DEFAULT_DRAIN_S) -> None:
@@ -144,27 +145,6 @@ class ParticipantHost:
         if op != "status" and op not in OPERATIONS:
             raise NotFound(f"unknown control operation {op!r}")
         return await self._controller().handle(op, body)
-
-    async def prepare(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.call("prepare", body)
-
-    async def renew(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.call("renew", body)
-
-    async def commit(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.call("commit", body)
-
-    async def restore(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.call("restore", body)
-
-    async def resume(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.call("resume", body)
-
-    async def retire(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.call("retire", body)
-
-    async def forget(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.call("forget", body)
 
     async def stop(self) -> dict[str, Any]:
         """Graceful stop (idempotent): drain data routes, close sockets, cancel tasks."""

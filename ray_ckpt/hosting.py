@@ -57,6 +57,38 @@ class GymServer(Protocol):
         ...
 
 
+class NamedControlOps:
+    """One Ray actor method per control operation, all through `call(op, body)`.
+
+    The coordinator calls hosts by operation name; hosted and sidecar hosts
+    differ only in what `call` does (the local controller, or a forward).
+    """
+
+    async def call(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def prepare(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.call("prepare", body)
+
+    async def renew(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.call("renew", body)
+
+    async def commit(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.call("commit", body)
+
+    async def restore(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.call("restore", body)
+
+    async def resume(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.call("resume", body)
+
+    async def retire(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.call("retire", body)
+
+    async def forget(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.call("forget", body)
+
+
 class ServerSpec(msgspec.Struct, frozen=True, kw_only=True):
     kind: str
     name: str

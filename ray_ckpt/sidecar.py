@@ -31,7 +31,7 @@ from ray_ckpt.client import ControlClient
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
 from ray_ckpt.controller import ParticipantController
 from ray_ckpt.errors import CheckpointError, NotFound, ParticipantUnavailable
-from ray_ckpt.hosting import ServerSpec, current_node_id
+from ray_ckpt.hosting import NamedControlOps, ServerSpec, current_node_id
 from ray_ckpt.participant import Participant
 from ray_ckpt.routes import (
     ASGIApp,
@@ -136,7 +136,7 @@ def wrap_asgi_sidecar(
 # --- the colocated forwarder (a Ray actor) ------------------------------------------
 
 
-class SidecarHost:
+class SidecarHost(NamedControlOps):
     """Forwards control calls to a sidecar server; same methods as `ParticipantHost`."""
 
     def __init__(self, spec: ServerSpec, clock: Clock = SYSTEM_CLOCK) -> None:
@@ -192,27 +192,6 @@ class SidecarHost:
         reply = await self.client.call(op, body)
         self._track(op, body)
         return reply
-
-    async def prepare(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.call("prepare", body)
-
-    async def renew(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.call("renew", body)
-
-    async def commit(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.call("commit", body)
-
-    async def restore(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.call("restore", body)
-
-    async def resume(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.call("resume", body)
-
-    async def retire(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.call("retire", body)
-
-    async def forget(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.call("forget", body)
 
     async def stop(self) -> dict[str, Any]:
         """Stop forwarding and renewing; the server process is not ours to stop."""
