@@ -28,6 +28,7 @@ from ray_ckpt.clock import SYSTEM_CLOCK, Clock
 from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.records import Record, check_json
+from ray_ckpt.retired import retire_scope
 from ray_ckpt.steps import EpisodeSteps
 from ray_ckpt.wire import PrepareReport
 
@@ -121,11 +122,9 @@ class AgentParticipant:
 
     async def retire(self, episode_ids: Sequence[EpisodeId]) -> list[str]:
         keys = set(await self.steps.retire(episode_ids))
-        limits: dict[str, int] = {}
-        for e in episode_ids:
-            limits[e.rollout_id] = max(limits.get(e.rollout_id, -1), e.attempt)
+        covered = retire_scope(episode_ids)
         # After the activations stopped: their cleanup may have saved a snapshot.
-        for episode in [e for e in self.sessions if e.attempt <= limits.get(e.rollout_id, -1)]:
+        for episode in [e for e in self.sessions if covered(e)]:
             del self.sessions[episode]
             self.restored.discard(episode)
             keys.add(episode.capture_key)

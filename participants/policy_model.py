@@ -31,6 +31,7 @@ import msgspec
 from ray_ckpt.errors import AdmissionClosed, InvalidCheckpointState
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.records import Record
+from ray_ckpt.retired import retire_scope
 from ray_ckpt.wire import Blocker, PrepareReport, to_builtins
 
 
@@ -182,12 +183,7 @@ class PolicyModelParticipant:
         return list(staged)
 
     async def retire(self, episode_ids: Sequence[EpisodeId]) -> list[str]:
-        limits: dict[str, int] = {}
-        for e in episode_ids:
-            limits[e.rollout_id] = max(limits.get(e.rollout_id, -1), e.attempt)
-
-        def covered(e: EpisodeId) -> bool:
-            return e.attempt <= limits.get(e.rollout_id, -1)
+        covered = retire_scope(episode_ids)
 
         keys = set()
         stopping = []

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.records import Record, check_json
+from ray_ckpt.retired import retire_scope
 from ray_ckpt.wire import Blocker, PrepareReport
 
 
@@ -168,12 +169,7 @@ class ResourcesParticipant:
         return list(staged)
 
     async def retire(self, episode_ids: Sequence[EpisodeId]) -> list[str]:
-        limits: dict[str, int] = {}
-        for e in episode_ids:
-            limits[e.rollout_id] = max(limits.get(e.rollout_id, -1), e.attempt)
-
-        def covered(e: EpisodeId) -> bool:
-            return e.attempt <= limits.get(e.rollout_id, -1)
+        covered = retire_scope(episode_ids)
 
         keys: set[str] = set()
         me = asyncio.current_task()

@@ -8,7 +8,7 @@ this server's retire finished, and must still be refused (`stale_attempt`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from ray_ckpt.errors import StaleAttempt
 from ray_ckpt.identity import EpisodeId
@@ -40,3 +40,16 @@ class RetiredAttempts:
 
     def __len__(self) -> int:
         return len(self._marks)
+
+
+def retire_scope(episode_ids: Iterable[EpisodeId]) -> Callable[[EpisodeId], bool]:
+    """Which attempts a retire of `episode_ids` covers: every attempt up to the
+    named one of each named rollout (a retire stops earlier attempts too)."""
+    limits: dict[str, int] = {}
+    for e in episode_ids:
+        limits[e.rollout_id] = max(limits.get(e.rollout_id, -1), e.attempt)
+
+    def covered(e: EpisodeId) -> bool:
+        return e.attempt <= limits.get(e.rollout_id, -1)
+
+    return covered

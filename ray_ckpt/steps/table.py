@@ -20,6 +20,7 @@ from ray_ckpt.clock import SYSTEM_CLOCK, Clock
 from ray_ckpt.errors import AdmissionClosed, InvalidPhase, InvalidRequest, StaleAttempt
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.records import Record
+from ray_ckpt.retired import retire_scope
 from ray_ckpt.steps.episode import _UNSET, Episode, Restored, Step
 from ray_ckpt.steps.modes import BLOCKING, EpisodeState, StepMode
 from ray_ckpt.steps.persist import build_report, export_records, stage_records
@@ -282,12 +283,7 @@ class EpisodeSteps:
         attempts keep stopping and stay blockers in state `retiring` until
         they do; a later retire waits for them again.  Returns capture keys.
         """
-        limits: dict[str, int] = {}
-        for eid in episode_ids:
-            limits[eid.rollout_id] = max(limits.get(eid.rollout_id, -1), eid.attempt)
-
-        def covered(eid: EpisodeId) -> bool:
-            return eid.attempt <= limits.get(eid.rollout_id, -1)
+        covered = retire_scope(episode_ids)
 
         keys: set[str] = set()
         for eid in [eid for eid in self._restored if covered(eid)]:
