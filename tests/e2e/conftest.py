@@ -1,0 +1,218 @@
+"""Fixtures of the process-level end-to-end suite (real hosts on the shared Ray).
+
+For every e2e module (part B may use them too):
+
+- `e2e` (function scope) → `E2E`, a kit bound to the test's Ray namespace and
+  `tmp_path` that stops what it started when the test ends:
+  - `e2e.config(**overrides) -> FleetConfig`: small, fast reference fleet;
+  - `await e2e.launch(config) -> Fleet`: `ParticipantHost` actors, killed at teardown;
+  - `e2e.coordinator(name=..., **timeouts) -> CoordinatorHandle`: a coordinator
+    with its journal under `tmp_path`, killed at teardown;
+  - `await e2e.baseline(config, n, steps, seed) -> {rollout: digest}`: the
+    uninterrupted run's digests, computed in process without Ray (delays
+    zeroed: results are seed-deterministic) and cached per session;
+  - `e2e.rollouts(n, steps, seed) -> (Rollouts, Tally)`: a tally counts each
+    rollout's finishes, so a test can assert each finished exactly once.
+- `await until(probe, what, timeout_s=...)`: poll a condition, fail with `what`.
+- `await stats_until(fleet, predicate, what)`: poll every server's `/stats`.
+- `await host_phases(fleet)`, `await assert_clean(fleet)`: control phase per
+  kind; every server idle and holding nothing.
+- `assert_exactly_once(rollouts, tally, expected)`: digests equal, nothing
+  lost, nothing finished twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import pytest
+
+from coordination.handle import CoordinatorHandle, connect
+from coordination.scenario import Rollouts, fleet_stats
+from participants.fleet import Fleet, FleetConfig, launch_fleet
+from participants.local import start_local_fleet
+from ray_ckpt.client import data_session
+
+T = TypeVar("T")
+
+# Results depend on these config fields only (never on delays, names or modes
+# that decide what a checkpoint waits for).
+_RESULT_FIELDS = ("model_seed", "tokens_per_turn", "turns_per_step", "resources_mode")
+_baselines: dict[tuple[Any, ...], dict[str, str]] = {}
+
+
+class Tally:
+    """Finishes per rollout and the attempt each finished as."""
+
+    def __init__(self, rollouts: Rollouts) -> None:
+        self.rollouts = rollouts
+        self.finished: Counter[str] = Counter()
+        self.attempt: dict[str, int] = {}
+        rollouts.on_event = self.on_event
+
+    def on_event(self, event: str, rollout: str) -> None:
+        if event == "finished":
+            self.finished[rollout] += 1
+            self.attempt[rollout] = self.rollouts.attempts.get(rollout, 0)
+
+
+class E2E:
+    def __init__(self, namespace: str, tmp: Path) -> None:
+        self.namespace = namespace
+        self.tmp = tmp
+        self.fleets: list[Fleet] = []
+        self.coordinators: list[CoordinatorHandle] = []
+
+    def config(self, **overrides: Any) -> FleetConfig:
+        base: dict[str, Any] = {
+            "namespace": self.namespace,
+            "token": "e2e-token",
+            "token_delay_s": 0.02,
+            "tokens_per_turn": 6,
+            "turns_per_step": 2,
+            "step_delay_s": 0.08,
+            "verify_delay_s": 0.3,
+            "suffix": "e2e",
+        }
+        return FleetConfig(**{**base, **overrides})
+
+    async def launch(self, config: FleetConfig) -> Fleet:
+        fleet = await launch_fleet(config)
+        self.fleets.append(fleet)
+        return fleet
+
+    def coordinator(
+        self, *, name: str = "e2e-coordinator", state: str | None = None, **timeouts: float
+    ) -> CoordinatorHandle:
+        handle = connect(
+            namespace=self.namespace,
+            name=name,
+            state_dir=str(self.tmp / "coordinator" / (state or name)),
+            timeouts={"reply_grace_s": 0.5, **timeouts},
+        )
+        self.coordinators.append(handle)
+        return handle
+
+    def rollouts(self, n: int, steps: int, seed: int) -> tuple[Rollouts, Tally]:
+        rollouts = Rollouts.make(n, steps, seed)
+        return rollouts, Tally(rollouts)
+
+    async def baseline(self, config: FleetConfig, n: int, steps: int, seed: int) -> dict[str, str]:
+        key = (*(getattr(config, f) for f in _RESULT_FIELDS), n, steps, seed)
+        if key not in _baselines:
+            quick = msgspec.structs.replace(
+                config, token_delay_s=0.0, step_delay_s=0.0, verify_delay_s=0.0
+            )
+            fleet = await start_local_fleet(quick)
+            rollouts = Rollouts.make(n, steps, seed)
+            try:
+                async with data_session(64, 64) as session:
+                    for rollout in rollouts.tasks:
+                        rollouts.start(session, fleet.urls["environment"], rollout)
+                    await rollouts.wait(timeout_s=60)
+            finally:
+                await fleet.stop()
+            assert not rollouts.failures, rollouts.failures
+            _baselines[key] = rollouts.digests()
+        return dict(_baselines[key])
+
+    def close(self) -> None:
+        import ray
+
+        for fleet in self.fleets:
+            with contextlib.suppress(Exception):
+                fleet.kill()
+        for handle in self.coordinators:
+            with contextlib.suppress(Exception):
+                ray.kill(handle.actor, no_restart=True)
+
+
+@pytest.fixture
+def e2e(namespace: str, tmp_path: Path) -> Iterator[E2E]:
+    kit = E2E(namespace, tmp_path)
+    try:
+        yield kit
+    finally:
+        kit.close()
+
+
+async def until(
+    probe: Callable[[], Awaitable[T]], what: str, *, timeout_s: float = 20.0, poll_s: float = 0.02
+) -> T:
+    """Poll `probe` until it returns something truthy; fail naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    last: T = await probe()
+    while not last:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last: {last!r}")
+        await asyncio.sleep(poll_s)
+        last = await probe()
+    return last
+
+
+async def stats_until(
+    fleet: Fleet,
+    predicate: Callable[[dict[str, dict[str, Any]]], bool],
+    what: str,
+    *,
+    timeout_s: float = 20.0,
+) -> dict[str, dict[str, Any]]:
+    """Every server's `/stats`, polled until `predicate` holds."""
+    seen: dict[str, dict[str, Any]] = {}
+
+    async def probe() -> bool:
+        nonlocal seen
+        seen = await fleet_stats(fleet)
+        return predicate(seen)
+
+    try:
+        await until(probe, what, timeout_s=timeout_s)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; stats: {seen}") from None
+    return seen
+
+
+async def host_phases(fleet: Fleet) -> dict[str, str]:
+    """Each host's control phase, by kind."""
+    out: dict[str, str] = {}
+    for kind, host in fleet.ordered():
+        out[kind] = (await host.status.remote())["phase"]
+    return out
+
+
+def held(stats: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """What the servers still hold for episodes (all zero when clean)."""
+    env, model = stats["environment"], stats["policy_model"]
+    return {
+        "env_live": env["live_episodes"],
+        "env_restored": env["restored_episodes"],
+        "model_live_calls": model["live_calls"],
+        "model_restored_cuts": model["restored_cuts"],
+        "agent_sessions": stats["agent"]["sessions"],
+        "resources_sessions": stats["resources"]["sessions"],
+        "resources_inflight": stats["resources"]["inflight"],
+    }
+
+
+async def assert_clean(fleet: Fleet) -> None:
+    """Every host idle; no server holds a live, restored or session state."""
+    assert set((await host_phases(fleet)).values()) == {"idle"}
+    stats = await fleet_stats(fleet)
+    assert held(stats) == dict.fromkeys(held(stats), 0), held(stats)
+
+
+def assert_exactly_once(rollouts: Rollouts, tally: Tally, expected: dict[str, str]) -> None:
+    """Every rollout finished once, as some attempt, with the uninterrupted result."""
+    assert not rollouts.running or all(t.done() for t in rollouts.running.values())
+    assert sorted(rollouts.results) == sorted(expected), (
+        f"lost: {sorted(set(expected) - set(rollouts.results))}; failures {rollouts.failures}"
+    )
+    assert dict(tally.finished) == dict.fromkeys(expected, 1), f"finishes: {dict(tally.finished)}"
+    assert rollouts.digests() == expected
