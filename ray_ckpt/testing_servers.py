@@ -158,13 +158,18 @@ class FastAPITableServer(_TableServer):
         async def echo(msg: str = "") -> dict[str, str]:
             return {"echo": msg, "server": self.name}
 
-        @api.put("/episodes/{key}")
-        async def put(key: str, request: Request) -> JSONResponse:
+        async def put(request: Request) -> JSONResponse:
+            key = request.path_params["key"]
             try:
                 self.participant.put(key, orjson.loads(await request.body()), self.controller)
             except CheckpointError as exc:
                 return JSONResponse(exc.to_body(), status_code=exc.http_status)
             return JSONResponse({"stored": key})
+
+        # A plain Starlette route: FastAPI cannot resolve a `Request` annotation
+        # imported inside this function (annotations are strings here), and
+        # would take `request` for a query parameter.
+        api.router.add_route("/episodes/{key}", put, methods=["PUT"])
 
         @api.get("/episodes")
         async def episodes() -> dict[str, Any]:
