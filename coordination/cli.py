@@ -84,13 +84,14 @@ def status(address: str, namespace: str, as_json: bool) -> None:
         else "no checkpoint open"
     )
     table = Table(title=title)
-    for col in ("participant", "kind", "phase", "checkpoint", "lease until", "live", "blockers"):
+    # The participant name already says its kind (`<kind>/<server>`): keep it whole.
+    table.add_column("participant", no_wrap=True)
+    for col in ("phase", "checkpoint", "lease until", "live", "blockers"):
         table.add_column(col)
     for p in st.participants:
         blockers = ", ".join(p.blockers[:5]) + (" …" if p.blocker_count > 5 else "")
         table.add_row(
             p.participant,
-            p.kind,
             p.phase or f"[red]{p.error or '?'}[/red]",
             p.checkpoint_id or "-",
             _when(p.lease_expires_at),

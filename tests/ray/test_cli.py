@@ -1,0 +1,86 @@
+"""The ray-ckpt command line against the shared cluster (in-process CliRunner)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+from click.testing import CliRunner
+from pydantic import SecretStr
+
+from coordination.cli import main
+from ray_ckpt.host import start_host, stop_host
+from ray_ckpt.hosting import ServerSpec, settings_dict
+from ray_ckpt.settings import CheckpointSettings
+
+pytestmark = pytest.mark.ray
+
+SPEC = ServerSpec(
+    kind="environment",
+    name="cli",
+    factory="ray_ckpt.testing_servers:aiohttp_server",
+    settings=settings_dict(
+        CheckpointSettings(enabled=True, control_auth_token=SecretStr("cli-token"))
+    ),
+)
+
+
+def run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, list(args), catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+async def test_status_checkpoint_inspect_restore_retire(namespace: str, tmp_path: Path) -> None:
+    import ray
+
+    ns = ["--namespace", namespace]
+    host = start_host(SPEC, namespace=namespace)
+    fresh = None
+    try:
+        url = (await host.ready.remote())["url"]
+        async with aiohttp.ClientSession() as http:
+            async with http.put(f"{url}/episodes/e1", json={"next": "tool"}) as resp:
+                assert resp.status == 200
+
+        code, out = run("status", *ns, "--json")
+        assert code == 0, out
+        rows = json.loads(out)["participants"]
+        assert [(r["participant"], r["phase"]) for r in rows] == [("environment/cli", "idle")]
+        code, out = run("status", *ns)
+        assert code == 0 and "environment/cli" in out and "no checkpoint open" in out
+
+        ckpt = str(tmp_path / "ckpt")
+        code, out = run("checkpoint", ckpt, *ns, "--json")
+        assert code == 0, out
+        assert json.loads(out)["episode_ids"] == {"environment/cli": ["e1"]}
+        code, out = run("inspect", ckpt, "--json")
+        assert code == 0 and json.loads(out)["ok"] is True
+
+        ray.kill(host, no_restart=True)
+        fresh = start_host(SPEC, namespace=namespace)
+        await fresh.ready.remote()
+        code, out = run("restore", ckpt, *ns, "--json")
+        assert code == 0, out
+        assert json.loads(out)["restored"] == {"environment/cli": ["e1-a1"]}
+
+        code, out = run("retire", "e1", "1", *ns, "--json")
+        assert code == 0, out
+        assert json.loads(out)["retired"] == {"environment/cli": ["e1-a1"]}
+
+        # Bad input: a typed error, exit 1, nothing changed.
+        code, out = run("restore", str(tmp_path / "nothing-here"), *ns, "--json")
+        assert code == 1
+        assert json.loads(out)["error"]["code"] == "invalid_checkpoint_state"
+        code, out = run("status", *ns, "--json")
+        assert json.loads(out)["participants"][0]["phase"] == "idle"
+    finally:
+        from coordination.coordinator import COORDINATOR_NAME
+
+        named = ray.util.list_named_actors(all_namespaces=True)
+        if {"name": COORDINATOR_NAME, "namespace": namespace} in named:
+            ray.kill(ray.get_actor(COORDINATOR_NAME, namespace=namespace), no_restart=True)
+        for h in (host, fresh):
+            if h is not None:
+                await stop_host(h, timeout_s=5)
