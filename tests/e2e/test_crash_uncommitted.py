@@ -90,6 +90,7 @@ async def test_crash_mid_prepare_leaves_nothing_and_the_previous_checkpoint_rest
             return None
 
         status = await until(blocked, "the environment preparing behind a blocker", timeout_s=5)
+        assert status is not None
         assert not prepare.done()
         await crash(fleet, rollouts)
         with pytest.raises(CoordinationFailed) as info:
