@@ -237,6 +237,8 @@ class ParticipantController:
             self.state.fire(Event.COMMIT)
             if scope is not None:
                 await self._within(req, "release unscoped", self.participant.delete_restored(scope))
+            if req.stop:
+                await self._park_exported(write.records)
             reply = {
                 "phase": Phase.COMMITTED.value,
                 "manifest": to_builtins(manifest),
@@ -244,6 +246,18 @@ class ParticipantController:
             }
             self.state.cache("commit", cid, reply)
             return reply
+
+    async def _park_exported(self, records: list[Record]) -> None:
+        """The controller stops instead of resuming: once the write is durable,
+        free external compute the exported episodes hold (best effort: a
+        failure only costs resources, never the checkpoint)."""
+        park = getattr(self.participant, "park_exported", None)
+        if park is None:
+            return
+        try:
+            await park(records)
+        except Exception:
+            log.warning("%s/%s: park_exported failed", self.kind, self.instance, exc_info=True)
 
     async def _export(self, req: CommitRequest, scope: tuple[EpisodeId, ...] | None) -> _Write:
         if scope is not None:

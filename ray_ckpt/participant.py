@@ -22,6 +22,10 @@ KINDS = ("environment", "policy_model", "agent", "resources")
 
 @runtime_checkable
 class Participant(Protocol):
+    """Required hooks.  Optional: `async park_exported(records)`, called after a
+    durable commit with `stop=true` (the controller stops instead of resuming)
+    to free external compute such as sandboxes; failures are only logged."""
+
     kind: str
 
     def bind(self, notify: Callable[[], None]) -> None:

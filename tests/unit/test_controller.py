@@ -336,3 +336,22 @@ async def test_straggler_retired_after_resume_not_while_open() -> None:
     retire = body("r-op", deadline=30, episode_ids=[{"rollout_id": "slow"}])
     assert (await c.handle("retire", retire))["retired"] == ["slow"]
     assert (await c.handle("prepare", body("c2", deadline=30)))["phase"] == "prepared"
+
+
+async def test_commit_with_stop_parks_exported_state_best_effort() -> None:
+    c, p, _, _ = make()
+    parked: list[list[str]] = []
+
+    async def park_exported(records: list[Record]) -> None:
+        parked.append([r.key for r in records])
+        raise RuntimeError("sandbox API down")  # only logged
+
+    p.park_exported = park_exported  # type: ignore[attr-defined]
+    p.start("r1", at_boundary=True, state=1)
+    await c.handle("prepare", body("c1"))
+    await c.handle("commit", body("c1", checkpoint_dir="/a"))
+    assert parked == []  # no stop: nothing parked
+    await c.handle("resume", body("c1"))
+    await c.handle("prepare", body("c2"))
+    reply = await c.handle("commit", body("c2", checkpoint_dir="/b", stop=True))
+    assert reply["phase"] == "committed" and parked == [["r1"]]
