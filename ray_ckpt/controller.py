@@ -84,6 +84,7 @@ class ParticipantController:
         self._writes: dict[str, _Write] = {}
         self._retiring = 0
         self._restored_once = False
+        self._install: asyncio.Future[list[EpisodeId]] | None = None
         self._watcher: asyncio.Task[None] | None = None
         participant.bind(self.notify)
 
@@ -300,8 +301,16 @@ class ParticipantController:
                 ),
             )
             await self._apply(self.state.fire(Event.RESTORE, cid))
+            # Shielded: an install that outlives the deadline keeps running (the
+            # call fails); retire and resume wait for it, so admission never
+            # reopens on half-installed state and a cleanup retire frees it all.
+            install = asyncio.ensure_future(self.participant.install(records))
+            self._install = install
             try:
-                installed = await self._within(req, "install", self.participant.install(records))
+                installed = await self._within(req, "install", asyncio.shield(install))
+            except DeadlineExceeded:
+                self._restored_once = True
+                raise
             except BaseException:
                 # Nothing was installed (install is all or nothing): reopen.
                 await self._apply(self.state.fire(Event.RESTORE_FAILED))
@@ -316,6 +325,11 @@ class ParticipantController:
             self.state.cache("restore", cid, reply)
             return reply
 
+    async def _installed(self) -> None:
+        """Wait for an install that outlived its restore call (its outcome is moot)."""
+        if self._install is not None and not self._install.done():
+            await asyncio.wait([self._install])
+
     # --- resume --------------------------------------------------------------
     async def resume(self, req: CheckpointRequest) -> dict[str, Any]:
         cid = req.checkpoint_id
@@ -329,6 +343,7 @@ class ParticipantController:
                 # The prepare never reached us: record the ID so it is refused if it does.
                 self.state.remember_resumed(cid)
                 return {"phase": self.state.phase.value, "idempotent": False}
+            await self._installed()
             await self._apply(self.state.fire(Event.RESUME))
             return {"phase": self.state.phase.value, "idempotent": False}
 
@@ -343,6 +358,7 @@ class ParticipantController:
                 self._renew(req)
             self._retiring += len(req.episode_ids)
         try:
+            await self._within(req, "install wait", self._installed())
             keys = await self._within(req, "retire", self.participant.retire(req.episode_ids))
         finally:
             self._retiring -= len(req.episode_ids)

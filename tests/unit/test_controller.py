@@ -355,3 +355,38 @@ async def test_commit_with_stop_parks_exported_state_best_effort() -> None:
     await c.handle("prepare", body("c2"))
     reply = await c.handle("commit", body("c2", checkpoint_dir="/b", stop=True))
     assert reply["phase"] == "committed" and parked == [["r1"]]
+
+
+async def test_an_install_outliving_its_restore_is_awaited_by_retire_and_resume() -> None:
+    c, p, store, _ = make()
+    store.data[("/ck", "environment", "env0")] = (
+        Manifest("c0", "environment", "env0", 1),
+        [Record("r", 1)],
+    )
+    gate = asyncio.Event()
+    real_install = p.install
+
+    async def slow_install(records: Any) -> Any:
+        await gate.wait()
+        return await real_install(records)
+
+    p.install = slow_install  # type: ignore[method-assign]
+    with pytest.raises(DeadlineExceeded):
+        await c.handle(
+            "restore",
+            {
+                **body("c0", checkpoint_dir="/ck", episode_ids=[{"rollout_id": "r"}]),
+                "deadline_ts": T0 + 0.1,
+            },
+        )
+    assert c.status()["phase"] == "restored" and not p.admission_open
+    retire = asyncio.create_task(
+        c.handle("retire", body("c0", episode_ids=[{"rollout_id": "r", "attempt": 1}]))
+    )
+    await asyncio.sleep(0.05)
+    assert not retire.done()  # waits for the install before freeing
+    gate.set()
+    assert (await asyncio.wait_for(retire, 2))["retired"] == ["r-a1"]
+    assert p.restored == {}
+    await c.handle("resume", body("c0"))
+    assert p.admission_open and c.status()["phase"] == "idle"
