@@ -1,0 +1,149 @@
+"""The cases NeMo Gym's own end-to-end suite covers, on our fleet and coordinator.
+
+Reference notes §3.1.  Crash cases run twice: in process (the real
+coordination logic over the servers' own controllers, real files) and on the
+shared Ray cluster (`ParticipantHost` actors, `ray.kill`).  Every case asserts
+that each rollout finished exactly once with the uninterrupted run's result,
+and reports the work its crashes made the fleet redo.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordination.scenario import Rollouts
+from participants.fleet import FleetConfig
+from ray_ckpt.client import data_session
+from ray_ckpt.identity import EpisodeId
+from tests.e2e.conftest import Tally, assert_exactly_once
+from tests.e2e.support_parity import (
+    Gym,
+    LocalGym,
+    RayGym,
+    baseline,
+    env_keys,
+    expected_work,
+    generating,
+    publish,
+    redone,
+    replace,
+    stats_until,
+    summed,
+    table,
+    tool_in_flight,
+    work,
+)
+
+Make = Callable[[FleetConfig], Awaitable[Gym]]
+FAST = FleetConfig(
+    token="parity-token",
+    step_delay_s=0.03,
+    token_delay_s=0.01,
+    tokens_per_turn=6,
+    turns_per_step=2,
+    suffix="p",
+)
+BACKENDS = ["local", pytest.param("ray", marks=[pytest.mark.ray, pytest.mark.slow])]
+
+
+@pytest.fixture(params=BACKENDS)
+async def make_gym(request: pytest.FixtureRequest) -> AsyncIterator[Make]:
+    gyms: list[Gym] = []
+    # Set up before this fixture yields, so it is torn down after our own close.
+    kit = request.getfixturevalue("e2e") if request.param == "ray" else None
+
+    async def make(config: FleetConfig) -> Gym:
+        gym: Gym
+        if kit is not None:
+            gym = await RayGym.start(replace(config, namespace=kit.namespace), kit)
+        else:
+            gym = await LocalGym.start(config)
+        gyms.append(gym)
+        return gym
+
+    yield make
+    for gym in gyms:
+        await gym.close()
+
+
+def mid_flight(stats: dict[str, Any], *, live: int = 3) -> bool:
+    """Every rollout begun, one generating and one in a tool call."""
+    return (
+        stats["environment"]["live_episodes"] == live
+        and generating(stats, below=FAST.tokens_per_turn)
+        and tool_in_flight(stats)
+    )
+
+
+async def crash_restore(gym: Gym, rollouts: Rollouts, where: Path, scope: list[EpisodeId]) -> Any:
+    """Kill the fleet with the checkpoint still open, resume what survives (the
+    coordinator's open checkpoint; dead hosts fail), restore into fresh hosts."""
+    await gym.crash(rollouts)
+    resumed = await gym.resume()
+    assert resumed.failures, "every host was dead: resume should report them"
+    await gym.relaunch()
+    return await gym.restore(str(where), scope)
+
+
+def report_lost_work(
+    request: pytest.FixtureRequest, gym: Gym, case: str, steps: list[int], end: dict[str, Any]
+) -> dict[str, int]:
+    lost = redone(summed([work(s) for s in [*gym.history, end]]), expected_work(gym.config, steps))
+    text = table(
+        f"lost work: {case} [{gym.backend}]",
+        ["crashes", "episodes", "tokens redone", "turns redone", "tools redone", "verify redone"],
+        [[len(gym.history), len(steps), *lost.values()]],
+    )
+    publish(request, f"lost_work_{case}", text)
+    return lost
+
+
+async def test_a_second_crash_before_the_replacement_starts_still_continues(
+    make_gym: Make, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    rollouts = Rollouts.make(3, steps=2, seed=21)
+    tally = Tally(rollouts)
+    expected = await baseline(FAST, rollouts.tasks)
+    gym = await make_gym(FAST)
+    async with data_session(64, 64) as session:
+        for i, rollout in enumerate(rollouts.tasks):
+            rollouts.start(session, gym.env_url, rollout, delay_s=0.04 * i)
+        await stats_until(gym, mid_flight, "a generation and a tool call in flight")
+        await gym.prepare()
+        scope = rollouts.unfinished()
+        assert [e.attempt for e in scope] == [0, 0, 0]
+        committed = await gym.commit(str(tmp_path / "c1"), scope)
+        assert env_keys(committed) == ["r0", "r1", "r2"]
+
+        restored = await crash_restore(gym, rollouts, tmp_path / "c1", scope)
+        replacements = [e.next() for e in scope]
+        assert env_keys(restored) == ["r0-a1", "r1-a1", "r2-a1"]
+        # Attempt 1 is named but its /run never starts: checkpoint it as it is.
+        for e in replacements:
+            rollouts.attempts[e.rollout_id] = e.attempt
+        await gym.prepare()
+        committed = await gym.commit(str(tmp_path / "c2"), replacements)
+        assert env_keys(committed) == ["r0-a1", "r1-a1", "r2-a1"]
+
+        restored = await crash_restore(gym, rollouts, tmp_path / "c2", replacements)
+        assert env_keys(restored) == ["r0-a2", "r1-a2", "r2-a2"]
+        for e in replacements:
+            rollouts.start(session, gym.env_url, e.rollout_id, attempt=e.attempt + 1)
+        await rollouts.wait(timeout_s=60)
+    assert_exactly_once(rollouts, tally, expected)
+    assert tally.attempt == dict.fromkeys(expected, 2)
+    end = await gym.stats()
+    first, between = (work(s) for s in gym.history)
+    # The fleet in between served nothing; the restored state passed through it.
+    assert between == dict.fromkeys(between, 0), between
+    # Tool calls wait for the checkpoint: across all three fleets each ran once.
+    assert first["tools"] + work(end)["tools"] == expected_work(FAST, [2, 2, 2])["tools"]
+    assert end["resources"]["calls"].get("seed_session", 0) == 0  # nothing started over
+    lost = report_lost_work(request, gym, "second-crash", [2, 2, 2], end)
+    # At most the one generation in flight per episode is regenerated.
+    assert 0 <= lost["tokens"] <= 3 * FAST.tokens_per_turn
