@@ -47,6 +47,15 @@ from tests.e2e.conftest import E2E
 
 Stats = dict[str, dict[str, Any]]
 
+# Small and quick: a turn is ~0.1 s, so a checkpoint lands mid-generation or mid-tool.
+FAST = FleetConfig(
+    token="parity-token",
+    step_delay_s=0.03,
+    token_delay_s=0.01,
+    tokens_per_turn=6,
+    turns_per_step=2,
+    suffix="p",
+)
 LOCAL_TIMEOUTS = Timeouts(
     prepare_s=20.0,
     commit_s=20.0,

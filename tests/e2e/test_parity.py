@@ -9,7 +9,6 @@ and reports the work its crashes made the fleet redo.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from ray_ckpt.client import data_session
 from ray_ckpt.identity import EpisodeId
 from tests.e2e.conftest import Tally, assert_exactly_once
 from tests.e2e.support_parity import (
+    FAST,
     Gym,
     LocalGym,
     RayGym,
@@ -40,14 +40,6 @@ from tests.e2e.support_parity import (
 )
 
 Make = Callable[[FleetConfig], Awaitable[Gym]]
-FAST = FleetConfig(
-    token="parity-token",
-    step_delay_s=0.03,
-    token_delay_s=0.01,
-    tokens_per_turn=6,
-    turns_per_step=2,
-    suffix="p",
-)
 BACKENDS = ["local", pytest.param("ray", marks=[pytest.mark.ray, pytest.mark.slow])]
 
 
@@ -147,3 +139,59 @@ async def test_a_second_crash_before_the_replacement_starts_still_continues(
     lost = report_lost_work(request, gym, "second-crash", [2, 2, 2], end)
     # At most the one generation in flight per episode is regenerated.
     assert 0 <= lost["tokens"] <= 3 * FAST.tokens_per_turn
+
+
+async def test_restoring_the_same_checkpoint_twice_leaves_the_dead_run_out_of_the_lineage(
+    make_gym: Make, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    rollouts = Rollouts.make(3, steps=3, seed=22)
+    tally = Tally(rollouts)
+    expected = await baseline(FAST, rollouts.tasks)
+    gym = await make_gym(FAST)
+    c1 = tmp_path / "c1"
+    async with data_session(64, 64) as session:
+        for i, rollout in enumerate(rollouts.tasks):
+            rollouts.start(session, gym.env_url, rollout, delay_s=0.04 * i)
+        await stats_until(gym, mid_flight, "a generation and a tool call in flight")
+        await gym.prepare()
+        scope = rollouts.unfinished()
+        assert env_keys(await gym.commit(str(c1), scope)) == ["r0", "r1", "r2"]
+
+        await crash_restore(gym, rollouts, c1, scope)
+        restored_rows = (await gym.stats())["policy_model"]["ledger_entries"]
+        for e in scope:
+            rollouts.start(session, gym.env_url, e.rollout_id, attempt=1)
+        # The replacement makes calls and tool moves of its own, then dies unsaved.
+        progressed = await stats_until(
+            gym,
+            lambda s: (
+                s["agent"]["tool_calls"] >= 3
+                and s["policy_model"]["ledger_entries"] > restored_rows
+            ),
+            "the replacements to make progress",
+        )
+        assert not rollouts.results, "too slow a crash: a replacement already finished"
+        await gym.crash(rollouts)
+
+        # The same checkpoint again, into fresh hosts: attempt 1 once more.
+        await gym.relaunch()
+        again = await gym.restore(str(c1), scope)
+        assert env_keys(again) == ["r0-a1", "r1-a1", "r2-a1"]
+        fresh = await gym.stats()
+        # Only what the checkpoint held: none of the dead replacement's calls.
+        assert fresh["policy_model"]["ledger_entries"] == restored_rows
+        assert fresh["agent"]["tool_calls"] == 0
+        for e in scope:
+            rollouts.start(session, gym.env_url, e.rollout_id, attempt=1)
+        await rollouts.wait(timeout_s=60)
+    assert_exactly_once(rollouts, tally, expected)
+    assert tally.attempt == dict.fromkeys(expected, 1)
+    end = await gym.stats()
+    first, dead = (work(s) for s in gym.history)
+    assert dead["tools"] >= 3
+    assert progressed["agent"]["tool_calls"] >= 3
+    # The checkpointed tool moves are kept; the dead run's are redone exactly.
+    assert first["tools"] + work(end)["tools"] == expected_work(FAST, [3, 3, 3])["tools"]
+    assert end["resources"]["calls"].get("seed_session", 0) == 0
+    lost = report_lost_work(request, gym, "same-checkpoint-twice", [3, 3, 3], end)
+    assert lost["tools"] == dead["tools"]
