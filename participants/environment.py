@@ -111,5 +111,9 @@ async def drive(
             state = {"next": "return", "task_digest": d, "result": result}
             st.boundary(state)
         counters["verifications"] += 1
-    await calls.close(eid)
+    # Closing is idempotent, so it is a replay step: a replacement that begins
+    # at its restored `return` boundary while a checkpoint is open parks here
+    # instead of running (and making the environment unready) before resume.
+    async with ep.step("replay", name="close"):
+        await calls.close(eid)
     return dict(state["result"])
