@@ -206,3 +206,41 @@ async def test_a_restart_only_episode_never_holds_up_a_checkpoint(
     if crash:
         # Nothing survived: every episode started over from its task.
         assert (await gym.stats())["resources"]["calls"]["seed_session"] == 3
+
+
+async def test_a_replacement_at_its_return_boundary_begins_during_a_checkpoint_without_blocking(
+    gyms: list[LocalGym], tmp_path: Path
+) -> None:
+    """Found by the sequence test: the replacement of an episode restored at
+    `return` may begin while the next checkpoint is prepared; it must park, not
+    close its sessions then (which made the environment unready and failed the
+    commit with `invalid_phase`)."""
+    config = replace(FAST, verify_delay_s=0.2, turns_per_step=1, tokens_per_turn=4)
+    rollouts = Rollouts.make(1, steps=1, seed=26)
+    tally = Tally(rollouts)
+    expected = await baseline(config, rollouts.tasks)
+    gym = await LocalGym.start(config)
+    gyms.append(gym)
+    r0 = EpisodeId("r0")
+    async with data_session(16, 16) as session:
+        rollouts.start(session, gym.env_url, "r0")
+        await stats_until(
+            gym, lambda s: s["resources"]["inflight_by_route"].get("verify"), "verify in flight"
+        )
+        await gym.prepare()
+        await gym.commit(str(tmp_path / "c1"), [r0])
+        await crash_restore(gym, rollouts, tmp_path / "c1", [r0])
+        await gym.prepare()
+        rollouts.start(session, gym.env_url, "r0", attempt=1)
+        steps = gym.server("environment").steps
+        async with asyncio.timeout(5):
+            while not steps.live_executions():  # noqa: ASYNC110 - the very first moment it is live
+                await asyncio.sleep(0)
+        assert steps.ready(), steps.report()
+        committed = await gym.commit(str(tmp_path / "c2"), [r0.next()])
+        assert env_keys(committed) == ["r0-a1"]
+        assert records(gym, tmp_path / "c2", "environment")["r0-a1"]["boundary"]["next"] == "return"
+        await gym.resume()
+        await rollouts.wait(timeout_s=20)
+    assert_exactly_once(rollouts, tally, expected)
+    assert tally.attempt == {"r0": 1}
