@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -69,6 +69,7 @@ class E2E:
         self.tmp = tmp
         self.fleets: list[Fleet] = []
         self.coordinators: list[CoordinatorHandle] = []
+        self.drivers: list[Rollouts] = []
 
     def config(self, **overrides: Any) -> FleetConfig:
         base: dict[str, Any] = {
@@ -102,6 +103,7 @@ class E2E:
 
     def rollouts(self, n: int, steps: int, seed: int) -> tuple[Rollouts, Tally]:
         rollouts = Rollouts.make(n, steps, seed)
+        self.drivers.append(rollouts)
         return rollouts, Tally(rollouts)
 
     async def baseline(self, config: FleetConfig, n: int, steps: int, seed: int) -> dict[str, str]:
@@ -123,9 +125,11 @@ class E2E:
             _baselines[key] = rollouts.digests()
         return dict(_baselines[key])
 
-    def close(self) -> None:
+    async def close(self) -> None:
         import ray
 
+        for rollouts in self.drivers:
+            await rollouts.abandon()  # a failed test may leave /run calls behind
         for fleet in self.fleets:
             with contextlib.suppress(Exception):
                 fleet.kill()
@@ -135,12 +139,12 @@ class E2E:
 
 
 @pytest.fixture
-def e2e(namespace: str, tmp_path: Path) -> Iterator[E2E]:
+async def e2e(namespace: str, tmp_path: Path) -> AsyncIterator[E2E]:
     kit = E2E(namespace, tmp_path)
     try:
         yield kit
     finally:
-        kit.close()
+        await kit.close()
 
 
 async def until(

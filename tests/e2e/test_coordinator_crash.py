@@ -18,7 +18,7 @@ import ray
 
 from coordination.handle import CoordinatorHandle
 from participants.fleet import Fleet
-from ray_ckpt.client import data_session
+from ray_ckpt.client import ControlClient, data_session
 from ray_ckpt.errors import CheckpointError, StaleCheckpoint
 from ray_ckpt.storage import verify_checkpoint
 from tests.e2e.conftest import (
@@ -110,6 +110,15 @@ async def test_coordinator_killed_mid_checkpoint_leases_lapse_and_a_new_one_take
             assert isinstance(cause, StaleCheckpoint), (kind, cause)
             assert isinstance(cause, CheckpointError)
             assert cause.code == "stale_checkpoint"
+        # ...and over HTTP, on the bearer-protected control route.
+        client = ControlClient(
+            fleet.urls["environment"], token=config.token, limit=4, limit_per_host=4
+        )
+        try:
+            with pytest.raises(StaleCheckpoint):
+                await client.call("commit", late)
+        finally:
+            await client.aclose()
         assert not (e2e.tmp / "late").exists()
         await rollouts.wait(timeout_s=60)
     assert_exactly_once(rollouts, tally, expected)
