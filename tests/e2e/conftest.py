@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -125,11 +125,13 @@ class E2E:
             _baselines[key] = rollouts.digests()
         return dict(_baselines[key])
 
-    async def close(self) -> None:
+    def close(self) -> None:
         import ray
 
+        # A failed test may leave /run calls behind; the loop's shutdown reaps them.
         for rollouts in self.drivers:
-            await rollouts.abandon()  # a failed test may leave /run calls behind
+            for task in rollouts.running.values():
+                task.cancel()
         for fleet in self.fleets:
             with contextlib.suppress(Exception):
                 fleet.kill()
@@ -139,12 +141,13 @@ class E2E:
 
 
 @pytest.fixture
-async def e2e(namespace: str, tmp_path: Path) -> AsyncIterator[E2E]:
+def e2e(namespace: str, tmp_path: Path) -> Iterator[E2E]:
+    # Synchronous on purpose: async fixtures may take it with getfixturevalue.
     kit = E2E(namespace, tmp_path)
     try:
         yield kit
     finally:
-        await kit.close()
+        kit.close()
 
 
 async def until(
