@@ -19,7 +19,7 @@ from coordination.scenario import Rollouts
 from participants.fleet import FleetConfig
 from ray_ckpt.client import data_session
 from ray_ckpt.identity import EpisodeId
-from tests.e2e.conftest import Tally, assert_exactly_once
+from tests.e2e.conftest import E2E, Tally, assert_exactly_once
 from tests.e2e.support_parity import (
     FAST,
     Gym,
@@ -44,10 +44,16 @@ BACKENDS = ["local", pytest.param("ray", marks=[pytest.mark.ray, pytest.mark.slo
 
 
 @pytest.fixture(params=BACKENDS)
-async def make_gym(request: pytest.FixtureRequest) -> AsyncIterator[Make]:
+def kit(request: pytest.FixtureRequest) -> E2E | None:
+    """Part A's Ray kit for the Ray backend (resolved here, outside the event loop,
+    because the kit is an async fixture); None in process."""
+    kit: E2E | None = request.getfixturevalue("e2e") if request.param == "ray" else None
+    return kit
+
+
+@pytest.fixture
+async def make_gym(kit: E2E | None) -> AsyncIterator[Make]:
     gyms: list[Gym] = []
-    # Set up before this fixture yields, so it is torn down after our own close.
-    kit = request.getfixturevalue("e2e") if request.param == "ray" else None
 
     async def make(config: FleetConfig) -> Gym:
         gym: Gym

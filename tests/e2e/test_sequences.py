@@ -30,6 +30,7 @@ from coordination.scenario import Rollouts
 from participants.rollout import make_tasks
 from ray_ckpt.client import data_session
 from ray_ckpt.storage import verify_checkpoint
+from tests.e2e.conftest import E2E
 from tests.e2e.support_parity import (
     FAST,
     Gym,
@@ -153,6 +154,15 @@ class Sequence:
 
 
 @pytest.fixture
+def kit(request: pytest.FixtureRequest) -> E2E | None:
+    """Part A's Ray kit for the Ray seeds (resolved outside the event loop: the
+    kit is an async fixture); None in process."""
+    ray = request.node.callspec.params.get("backend") == "ray"
+    kit: E2E | None = request.getfixturevalue("e2e") if ray else None
+    return kit
+
+
+@pytest.fixture
 async def gyms() -> AsyncIterator[list[Gym]]:
     started: list[Gym] = []
     yield started
@@ -173,7 +183,8 @@ async def test_random_sequences_end_with_every_result_and_every_server_empty(
     backend: str,
     seed: int,
     n_steps: int,
-    gyms: list[Gym],
+    kit: E2E | None,
+    gyms: list[Gym],  # after the kit: our gyms close before it kills what is left
     tmp_path: Path,
     request: pytest.FixtureRequest,
 ) -> None:
@@ -182,8 +193,7 @@ async def test_random_sequences_end_with_every_result_and_every_server_empty(
     rollouts = Rollouts(mixed_tasks(seed))
     expected = await baseline(config, rollouts.tasks)
     gym: Gym
-    if backend == "ray":
-        kit = request.getfixturevalue("e2e")
+    if kit is not None:
         gym = await RayGym.start(replace(config, namespace=kit.namespace), kit)
     else:
         gym = await LocalGym.start(config)
