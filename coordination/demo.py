@@ -98,6 +98,7 @@ async def run_demo(opts: DemoOptions, ui: Ui) -> DemoReport:
             stagger_s=opts.stagger_s,
             stats_out=base_stats,
         )
+    run_s = base.span_s()
 
     handle = connect(namespace=ns, address=opts.address)
     config = fleet_config(opts, suffix="", namespace=ns)
@@ -113,7 +114,9 @@ async def run_demo(opts: DemoOptions, ui: Ui) -> DemoReport:
                     rollouts.start(
                         session, fleet.urls["environment"], rollout, delay_s=i * opts.stagger_s
                     )
-                report.in_flight = await _wait_for_mixed_work(fleet, rollouts, 60.0)
+                # At the latest halfway through (as long as the uninterrupted
+                # run took), so short runs still checkpoint mid-flight.
+                report.in_flight = await _wait_for_mixed_work(fleet, rollouts, run_s / 2)
             with ui.phase("checkpoint (prepare, commit)", total=None):
                 prepared = await handle.aprepare()
                 scope = rollouts.unfinished()

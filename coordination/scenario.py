@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,8 @@ class Rollouts:
     failures: dict[str, str] = field(default_factory=dict)
     running: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     on_event: OnEvent = _quiet
+    first_start: float | None = None  # monotonic time the first attempt was dispatched
+    finished_at: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def make(cls, n: int, steps: int, seed: int, *, prefix: str = "r") -> Rollouts:
@@ -68,6 +71,8 @@ class Rollouts:
     ) -> None:
         self.attempts[rollout] = attempt
         self.failures.pop(rollout, None)
+        if self.first_start is None:
+            self.first_start = time.monotonic()
         episode = EpisodeId(rollout, attempt)
 
         async def drive() -> None:
@@ -81,6 +86,7 @@ class Rollouts:
                 return
             if "result" in reply:
                 self.results[rollout] = reply["result"]
+                self.finished_at[rollout] = time.monotonic()
                 self.on_event("finished", rollout)
             else:
                 self.failures[rollout] = str(reply.get("failure"))
@@ -103,6 +109,12 @@ class Rollouts:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self.running.clear()
+
+    def span_s(self) -> float:
+        """From the first dispatch to the last result (0 before anything finished)."""
+        if self.first_start is None or not self.finished_at:
+            return 0.0
+        return max(self.finished_at.values()) - self.first_start
 
     def digests(self) -> dict[str, str]:
         return {r: result_digest(res) for r, res in sorted(self.results.items())}
