@@ -114,9 +114,9 @@ async def run_demo(opts: DemoOptions, ui: Ui) -> DemoReport:
                     rollouts.start(
                         session, fleet.urls["environment"], rollout, delay_s=i * opts.stagger_s
                     )
-                # At the latest halfway through (as long as the uninterrupted
+                # At the latest 60% through (as long as the uninterrupted
                 # run took), so short runs still checkpoint mid-flight.
-                report.in_flight = await _wait_for_mixed_work(fleet, rollouts, run_s / 2)
+                report.in_flight = await _wait_for_mixed_work(fleet, rollouts, run_s * 0.6)
             with ui.phase("checkpoint (prepare, commit)", total=None):
                 prepared = await handle.aprepare()
                 scope = rollouts.unfinished()
