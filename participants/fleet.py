@@ -158,12 +158,34 @@ async def launch_fleet(config: FleetConfig, *, start_timeout_s: float = 60.0) ->
 
 
 async def _start(spec: ServerSpec, namespace: str, attempts: int = 50) -> Any:
-    # A name freed by ray.kill can take a moment to become available again.
     for attempt in range(attempts):
         try:
             return start_host(spec, namespace=namespace, get_if_exists=False)
         except ValueError:
             if attempt == attempts - 1:
                 raise
+            # The name is taken.  A name freed by ray.kill can take a moment to
+            # become available again; a host that died by itself (kill -9 of
+            # its process) keeps its name while handles to it live, until it
+            # is ray.kill'ed.  A live host keeps its name: refuse to replace it.
+            await _release_if_dead(spec, namespace)
             await asyncio.sleep(0.1)
     raise AssertionError("unreachable")
+
+
+async def _release_if_dead(spec: ServerSpec, namespace: str) -> None:
+    import ray
+    from ray.exceptions import RayActorError
+
+    try:
+        old = ray.get_actor(spec.actor_name, namespace=namespace)
+    except ValueError:
+        return  # already free
+    try:
+        await asyncio.wait_for(old.ready.remote(), 5.0)
+    except RayActorError:
+        ray.kill(old, no_restart=True)
+        return
+    except TimeoutError:
+        return  # starting or busy: retry the name later
+    raise ValueError(f"{spec.actor_name} is alive in namespace {namespace!r}: not replacing it")
