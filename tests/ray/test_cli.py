@@ -78,9 +78,12 @@ async def test_status_checkpoint_inspect_restore_retire(namespace: str, tmp_path
     finally:
         from coordination.coordinator import COORDINATOR_NAME
 
-        named = ray.util.list_named_actors(all_namespaces=True)
-        if {"name": COORDINATOR_NAME, "namespace": namespace} in named:
+        # Each CLI call is its own connect(): the coordinator it made may already
+        # be gone with its last handle (it is not detached).
+        try:
             ray.kill(ray.get_actor(COORDINATOR_NAME, namespace=namespace), no_restart=True)
+        except ValueError:
+            pass
         for h in (host, fresh):
             if h is not None:
                 await stop_host(h, timeout_s=5)
