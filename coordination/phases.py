@@ -64,6 +64,9 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:16]}"
 
 
+# How often the renewer looks at the clock (it calls participants only when due).
+_RENEW_POLL_S = 0.2
+
 class PhaseDriver:
     def __init__(
         self,
@@ -84,6 +87,9 @@ class PhaseDriver:
         self.open: JournalEntry | None = None
         self.lock = asyncio.Lock()
         self._renewer: asyncio.Task[None] | None = None
+        # The latest deadline sent in the open checkpoint: every participant's
+        # lease runs at least to it plus its grace, whatever that grace is.
+        self._lease_floor = 0.0
         self._paused: list[str] = []  # roles paused for the open checkpoint
 
     # --- membership ----------------------------------------------------------
@@ -124,6 +130,8 @@ class PhaseDriver:
         self, group: Sequence[Member], op: str, body: Mapping[str, Any], deadline_ts: float
     ) -> Outcome:
         """One group's calls, together, under the deadline (plus the reply grace)."""
+        if op in ("prepare", "commit"):
+            self._lease_floor = max(self._lease_floor, deadline_ts)
         return await fan_out(self._hosts(group), op, lambda h: body, self._timeout(deadline_ts))
 
     # --- controller-side pause -------------------------------------------------
@@ -171,6 +179,7 @@ class PhaseDriver:
     # --- renewer -------------------------------------------------------------
     def _start_renewer(self, cid: str) -> None:
         self._stop_renewer()
+        self._lease_floor = 0.0
         self._renewer = asyncio.ensure_future(self._renew_loop(cid))
 
     def _stop_renewer(self) -> None:
@@ -179,12 +188,22 @@ class PhaseDriver:
             self._renewer = None
 
     async def _renew_loop(self, cid: str) -> None:
+        """Renew every `renew_every_s`, and always before the latest deadline we
+        sent passes: a lease is only sure to last that long plus its grace, and
+        the grace (each participant's setting) is not known here."""
+        poll_s = min(_RENEW_POLL_S, self.timeouts.renew_every_s)
+        margin_s = max(0.1 * self.timeouts.resume_s, _RENEW_POLL_S)
+        last = self.clock.now()
         while self.open is not None and self.open.checkpoint_id == cid:
-            await asyncio.sleep(self.timeouts.renew_every_s)
+            await asyncio.sleep(poll_s)
             if self.open is None or self.open.checkpoint_id != cid:
                 return
-            with contextlib.suppress(CheckpointError):
-                await self._renew()
+            now = self.clock.now()
+            floor_due = 0.0 < self._lease_floor <= now + margin_s
+            if floor_due or now - last >= self.timeouts.renew_every_s:
+                last = now
+                with contextlib.suppress(CheckpointError):
+                    await self._renew()
 
     async def _renew(self) -> dict[str, float | None]:
         """Extend every lease of the open checkpoint (publishing takes long)."""
@@ -192,6 +211,7 @@ class PhaseDriver:
         if entry is None:
             return {}
         deadline_ts = self.clock.now() + self.timeouts.resume_s
+        self._lease_floor = max(self._lease_floor, deadline_ts)
         body = {"checkpoint_id": entry.checkpoint_id, "deadline_ts": deadline_ts}
         out = await fan_out(
             list(self.hosts.values()), "renew", lambda h: body, self._timeout(deadline_ts)

@@ -23,6 +23,7 @@ from ray_ckpt.errors import (
 )
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.wire import CheckpointRequest
+from ray_ckpt.settings import CheckpointSettings
 from tests.unit.coord_fleet import FAST, Fleet, make_fleet
 
 ORDER = ["environment/env", "policy_model/policy", "agent/agent", "resources/res"]
@@ -299,3 +300,23 @@ async def test_status_lists_every_participant(fleet: Fleet) -> None:
     assert rows["agent/agent"].phase == "idle"
     assert rows["resources/res"].error is not None
     assert status.open_checkpoint is None
+
+
+async def test_the_renewer_keeps_short_leases_alive_whatever_renew_every_s() -> None:
+    # Participants with a 0.5 s grace; the coordinator's periodic renew is an hour
+    # away: it must still renew before the last deadline it sent passes.
+    f = make_fleet(timeouts=msgspec.structs.replace(FAST, resume_s=0.5))
+    short = CheckpointSettings(enabled=True, control_auth_token="t", lease_grace_seconds=0.5)
+    for c in f.ctrls.values():
+        c.settings = short
+        c.start()
+    try:
+        await f.core.prepare()
+        await f.core.commit("/ck", None)
+        await asyncio.sleep(2.5)  # well past commit's deadline + the grace
+        assert set(f.phases().values()) == {"committed"}, f.phases()
+        assert f.events("renew")
+        await f.core.resume()
+        assert set(f.phases().values()) == {"idle"}
+    finally:
+        await f.aclose()
