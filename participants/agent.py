@@ -20,10 +20,10 @@ than being refused: the environment calls the agent from a replay step.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ray_ckpt.admission import AdmissionGate
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
 from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest
 from ray_ckpt.identity import EpisodeId
@@ -51,8 +51,7 @@ class AgentParticipant:
         self.sessions: dict[EpisodeId, dict[str, Any]] = {}  # between activations
         self.restored: set[EpisodeId] = set()  # installed, not activated yet
         self._installed = False
-        self._opened = asyncio.Event()
-        self._opened.set()
+        self.gate = AdmissionGate()
         self._notify: Callable[[], None] = lambda: None
 
     # --- controller side -----------------------------------------------------
@@ -61,11 +60,11 @@ class AgentParticipant:
         self.steps.bind(notify)
 
     def close_admission(self) -> None:
-        self._opened.clear()
+        self.gate.close()
         self.steps.close_admission()
 
     def open_admission(self) -> None:
-        self._opened.set()
+        self.gate.open()
         self.steps.open_admission()
 
     def ready(self) -> bool:
@@ -145,8 +144,7 @@ class AgentParticipant:
 
     # --- data plane ----------------------------------------------------------
     async def wait_open(self) -> None:
-        while not self.steps.admission_open:
-            await self._opened.wait()
+        await self.gate.wait_open()
 
     def session(self, episode: EpisodeId) -> dict[str, Any] | None:
         self.restored.discard(episode)

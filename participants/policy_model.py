@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 
+from ray_ckpt.admission import AdmissionGate
 from ray_ckpt.errors import AdmissionClosed, InvalidCheckpointState
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.records import Record
@@ -75,9 +76,7 @@ class PolicyModelParticipant:
         self.restored_cuts: dict[EpisodeId, Cut] = {}  # for the re-issued call of a + 1
         self.restored: set[EpisodeId] = set()  # installed, no call seen yet
         self.counts: Counter[str] = Counter()
-        self._open = True
-        self._opened = asyncio.Event()
-        self._opened.set()
+        self.gate = AdmissionGate()
         self._served = False
         self._installed = False
         self._next_index = 0
@@ -88,16 +87,14 @@ class PolicyModelParticipant:
         self._notify = notify
 
     def close_admission(self) -> None:
-        self._open = False
-        self._opened.clear()
+        self.gate.close()
         self.cuts = self._cut_generations()
         self._notify()
 
     def open_admission(self) -> None:
         # The cut generations keep running and deliver now: their cuts are moot.
         self.cuts = {}
-        self._open = True
-        self._opened.set()
+        self.gate.open()
         self._notify()
 
     def _cut_generations(self) -> dict[EpisodeId, Cut]:
@@ -219,7 +216,7 @@ class PolicyModelParticipant:
     # --- data plane ----------------------------------------------------------
     def admit(self, episode: EpisodeId, digest: str) -> Call:
         """Admit one call (or refuse it while a checkpoint is open)."""
-        if not self._open:
+        if not self.gate.is_open:
             raise AdmissionClosed(f"policy model: a checkpoint is in progress ({episode})")
         self._served = True
         self.restored.discard(episode)
@@ -239,8 +236,7 @@ class PolicyModelParticipant:
 
     async def hold(self, call: Call) -> None:
         """Hold the response start while a checkpoint is open."""
-        while not self._open:
-            await self._opened.wait()
+        await self.gate.wait_open()
         # No await between here and `deliver`: a close cannot slip in between.
 
     def deliver(self, call: Call) -> None:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
 from typing import Any, Protocol
 
+from ray_ckpt.admission import AdmissionGate
 from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.records import Record, check_json
@@ -74,9 +75,7 @@ class ResourcesParticipant:
         self.restored: set[EpisodeId] = set()  # installed, not touched yet
         self._inflight: dict[int, _Request] = {}
         self._next = 0
-        self._open = True
-        self._opened = asyncio.Event()
-        self._opened.set()
+        self.gate = AdmissionGate()
         self._served = False
         self._installed = False
         self._notify: Callable[[], None] = lambda: None
@@ -86,13 +85,11 @@ class ResourcesParticipant:
         self._notify = notify
 
     def close_admission(self) -> None:
-        self._open = False
-        self._opened.clear()
+        self.gate.close()
         self._notify()
 
     def open_admission(self) -> None:
-        self._open = True
-        self._opened.set()
+        self.gate.open()
         self._notify()
 
     def _blocking(self) -> list[_Request]:
@@ -201,8 +198,7 @@ class ResourcesParticipant:
     # --- data plane ----------------------------------------------------------
     async def enter(self, episode: EpisodeId, route: str, *, counted: bool = True) -> int:
         """Admit one request, waiting out an open checkpoint; returns its ticket."""
-        while not self._open:
-            await self._opened.wait()
+        await self.gate.wait_open()
         self._served = True
         self.restored.discard(episode)
         ticket = self._next
