@@ -15,6 +15,7 @@ not Ray wrappers.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -236,7 +237,7 @@ def connect(
             address=address, namespace=namespace, ignore_reinit_error=True, log_to_driver=False
         )
     if create:
-        actor = get_or_create_coordinator(namespace, name=name, **coordinator_options)
+        actor = _live_coordinator(namespace, name, coordinator_options)
     else:
         try:
             actor = ray.get_actor(name, namespace=namespace)
@@ -245,3 +246,26 @@ def connect(
                 f"no coordinator {name!r} in namespace {namespace!r}"
             ) from None
     return CoordinatorHandle(actor, namespace)
+
+
+def _live_coordinator(namespace: str, name: str, options: dict[str, Any]) -> Any:
+    """Get or create the coordinator and make sure it answers.
+
+    A coordinator that is not detached dies with the driver that created it
+    (e.g. an earlier `ray-ckpt` command); for a moment after, `get_if_exists`
+    can still hand out the dying actor.  Retry until a live one answers.
+    """
+    import ray
+    from ray.exceptions import RayActorError
+
+    for _ in range(_CONNECT_TRIES - 1):
+        actor = get_or_create_coordinator(namespace, name=name, **options)
+        try:
+            ray.get(actor.ping.remote(), timeout=60)
+            return actor
+        except RayActorError:
+            time.sleep(0.25)
+    return get_or_create_coordinator(namespace, name=name, **options)
+
+
+_CONNECT_TRIES = 40
