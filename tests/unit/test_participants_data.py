@@ -4,8 +4,7 @@ clear 4xx that changes nothing.  In-process fleet on loopback, real controllers.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -16,6 +15,7 @@ from participants.local import LocalFleet, start_local_fleet
 from participants.rollout import make_tasks, run_episode
 from ray_ckpt.errors import ParticipantUnavailable, RestartInScope
 from ray_ckpt.identity import EpisodeId
+from tests.unit.helpers import body, until
 
 TASK = make_tasks(1, steps=2, seed=5)[0]
 
@@ -29,23 +29,7 @@ async def fleet() -> AsyncIterator[LocalFleet]:
     await fleet.stop()
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
-
-def body(cid: str, **extra: Any) -> dict[str, Any]:
-    return {"checkpoint_id": cid, "deadline_ts": time.time() + 20, **extra}
-
-
-async def until(pred: Callable[[], bool], timeout: float = 10.0) -> None:
-    # Polls: the predicates read server counters that no event covers.
-    async with asyncio.timeout(timeout):
-        while True:
-            if pred():
-                return
-            await asyncio.sleep(0.002)
 
 
 async def post(

@@ -10,7 +10,6 @@ must show which work ran again and which did not.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from participants.fleet import KIND_ORDER, FleetConfig
 from participants.local import LocalFleet, start_local_fleet
 from participants.rollout import make_tasks, run_episode
 from ray_ckpt.identity import EpisodeId
+from tests.unit.helpers import body, until
 
 Start = Callable[[FleetConfig], Awaitable[LocalFleet]]
 TASK = make_tasks(1, steps=2, seed=3)[0]
@@ -41,23 +41,7 @@ async def start() -> AsyncIterator[Start]:
         await fleet.stop()
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
-
-def body(cid: str, **extra: Any) -> dict[str, Any]:
-    return {"checkpoint_id": cid, "deadline_ts": time.time() + 20, **extra}
-
-
-async def until(pred: Callable[[], bool], timeout: float = 10.0) -> None:
-    # Polls: the predicates read counters of several servers no event covers.
-    async with asyncio.timeout(timeout):
-        while True:
-            if pred():
-                return
-            await asyncio.sleep(0.002)
 
 
 async def checkpoint(fleet: LocalFleet, cid: str, where: Path, scope: list[EpisodeId]) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,26 +31,7 @@ from ray_ckpt.steps import (
     seed_session_headers,
     verify_mode_from_headers,
 )
-
-Serve = Callable[[web.Application], Awaitable[str]]
-
-
-@pytest.fixture
-async def serve() -> AsyncIterator[Serve]:
-    runners: list[web.AppRunner] = []
-
-    async def start(app: web.Application) -> str:
-        runner = web.AppRunner(app)
-        await runner.setup()
-        runners.append(runner)
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        return f"http://{host}:{port}"
-
-    yield start
-    for runner in reversed(runners):
-        await runner.cleanup()
+from tests.unit.conftest import Serve
 
 
 @dataclass
