@@ -213,7 +213,12 @@ class ParticipantController:
                 if not self.participant.ready():
                     raise InvalidPhase(f"{self.kind}/{self.instance} is no longer ready")
                 write = await self._export(req, scope)
-            if write.task is None or (write.task.done() and write.task.exception() is not None):
+            failed = (
+                write.task is not None
+                and write.task.done()
+                and (write.task.cancelled() or write.task.exception() is not None)
+            )
+            if write.task is None or failed:
                 # First try, or a retry after the store failed: store the same records again.
                 write.task = asyncio.ensure_future(
                     asyncio.to_thread(

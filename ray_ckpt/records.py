@@ -41,15 +41,12 @@ def _walk_is_json(value: Any, depth: int = 0) -> bool:
         return False
     if value is None or isinstance(value, (bool, str, bytes)):
         return True
-    if isinstance(value, (int, float)) and type(value) in (int, float):
+    if type(value) in (int, float):
         return True
     if type(value) in (list, tuple):
         return all(_walk_is_json(v, depth + 1) for v in value)
     if type(value) is dict:
-        return all(
-            isinstance(k, str) and type(k) is str and _walk_is_json(v, depth + 1)
-            for k, v in value.items()
-        )
+        return all(type(k) is str and _walk_is_json(v, depth + 1) for k, v in value.items())
     return False
 
 
