@@ -390,3 +390,19 @@ async def test_an_install_outliving_its_restore_is_awaited_by_retire_and_resume(
     assert p.restored == {}
     await c.handle("resume", body("c0"))
     assert p.admission_open and c.status()["phase"] == "idle"
+
+
+async def test_a_retried_commit_restarts_a_write_that_was_cancelled() -> None:
+    c, p, store, _ = make()
+    p.start("r1", at_boundary=True, state=1)
+    await c.handle("prepare", body("c1"))
+    store.write_gate = threading.Event()
+    with pytest.raises(DeadlineExceeded):
+        await c.handle("commit", {**body("c1", checkpoint_dir="/ck"), "deadline_ts": T0 + 0.1})
+    task = c._writes["c1"].task
+    assert task is not None
+    task.cancel()
+    store.write_gate.set()
+    await asyncio.sleep(0.05)
+    reply = await c.handle("commit", body("c1", checkpoint_dir="/ck"))
+    assert reply["phase"] == "committed" and reply["episode_ids"] == ["r1"]
