@@ -7,7 +7,6 @@ test_steps_http.py.  Time is a ManualClock, so durations are asserted exactly.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -24,18 +23,9 @@ from ray_ckpt.errors import (
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.records import Record
 from ray_ckpt.steps import EpisodeState, EpisodeSteps, EpisodeTimeout, StepMode
+from tests.unit.helpers import until
 
 R1 = EpisodeId("r1")
-
-
-async def until(pred: Callable[[], bool], timeout: float = 2.0) -> None:
-    # Polls: the predicates mix episode states, task states and counters that
-    # no single event covers.
-    async with asyncio.timeout(timeout):
-        while True:
-            if pred():
-                return
-            await asyncio.sleep(0.001)
 
 
 class Script:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,7 @@ from ray_ckpt.steps import (
     verify_mode_from_headers,
 )
 from tests.unit.conftest import Serve
+from tests.unit.helpers import until
 
 
 @dataclass
@@ -108,16 +109,6 @@ def resources_app(mode: StepMode) -> web.Application:
     app = web.Application()
     app.router.add_post("/seed_session", seed_session)
     return app
-
-
-async def until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
-    # Polls: the predicates mix episode states, task states and counters that
-    # no single event covers.
-    async with asyncio.timeout(timeout):
-        while True:
-            if pred():
-                return
-            await asyncio.sleep(0.002)
 
 
 @pytest.mark.parametrize("mode", [StepMode.WAIT, StepMode.REPLAY])

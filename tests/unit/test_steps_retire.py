@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 import pytest
 
@@ -12,16 +11,7 @@ from ray_ckpt.errors import StaleAttempt
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.records import Record
 from ray_ckpt.steps import EpisodeState, EpisodeSteps
-
-
-async def until(pred: Callable[[], bool], timeout: float = 2.0) -> None:
-    # Polls: the predicates mix episode states, task states and counters that
-    # no single event covers.
-    async with asyncio.timeout(timeout):
-        while True:
-            if pred():
-                return
-            await asyncio.sleep(0.001)
+from tests.unit.helpers import until
 
 
 async def test_retire_mid_step_runs_cleanup_frees_state_and_leaves_no_task() -> None:
