@@ -23,9 +23,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from participants.hooks import stage_records
 from ray_ckpt.admission import AdmissionGate
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
-from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest
+from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.records import Record, check_json
 from ray_ckpt.retired import retire_scope
@@ -101,18 +102,13 @@ class AgentParticipant:
     async def install(self, records: Sequence[Record]) -> list[EpisodeId]:
         if not self.fresh():
             raise InvalidCheckpointState("an agent restores only into a fresh process")
-        staged: dict[EpisodeId, dict[str, Any]] = {}
-        for record in records:
-            try:
-                episode = EpisodeId.from_capture_key(record.key)
-            except InvalidRequest as exc:
-                raise InvalidCheckpointState(f"record key: {exc.detail}") from None
+
+        def parse(record: Record) -> dict[str, Any]:
             if not isinstance(record.state, dict):
                 raise InvalidCheckpointState(f"agent record {record.key}: not an object")
-            session = check_session(record.state.get("session"), record.key)
-            if any(e.rollout_id == episode.rollout_id for e in staged):
-                raise InvalidCheckpointState(f"rollout {episode.rollout_id} is restored twice")
-            staged[episode.next()] = session
+            return check_session(record.state.get("session"), record.key)
+
+        staged = stage_records(records, parse)
         self.sessions.update(staged)
         self.restored.update(staged)
         self._installed = True

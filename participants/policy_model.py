@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 
+from participants.hooks import stage_records, stop_tasks
 from ray_ckpt.admission import AdmissionGate
 from ray_ckpt.errors import AdmissionClosed, InvalidCheckpointState
 from ray_ckpt.identity import EpisodeId
@@ -160,16 +161,13 @@ class PolicyModelParticipant:
         return records
 
     async def install(self, records: Sequence[Record]) -> list[EpisodeId]:
-        staged: dict[EpisodeId, ModelState] = {}
-        for record in records:
+        def parse(record: Record) -> ModelState:
             try:
-                episode = EpisodeId.from_capture_key(record.key)
-                state = msgspec.convert(record.state, ModelState)
-            except (msgspec.ValidationError, ValueError) as exc:
+                return msgspec.convert(record.state, ModelState)
+            except msgspec.ValidationError as exc:
                 raise InvalidCheckpointState(f"model record {record.key!r}: {exc}") from None
-            if any(e.rollout_id == episode.rollout_id for e in staged):
-                raise InvalidCheckpointState(f"rollout {episode.rollout_id} is restored twice")
-            staged[episode.next()] = state
+
+        staged = stage_records(records, parse)
         for episode, state in staged.items():
             self.ledger[episode] = list(state.rows)
             if state.cut is not None:
@@ -182,16 +180,9 @@ class PolicyModelParticipant:
     async def retire(self, episode_ids: Sequence[EpisodeId]) -> list[str]:
         covered = retire_scope(episode_ids)
 
-        keys = set()
-        stopping = []
-        me = asyncio.current_task()
-        for call in [c for c in self.calls.values() if covered(c.episode)]:
-            keys.add(call.episode.capture_key)
-            if call.task is not None and not call.task.done() and call.task is not me:
-                call.task.cancel()
-                stopping.append(call.task)
-        if stopping:
-            await asyncio.wait(stopping)
+        stopping = [c for c in self.calls.values() if covered(c.episode)]
+        keys = {c.episode.capture_key for c in stopping}
+        await stop_tasks(c.task for c in stopping)
         for table in (self.ledger, self.cuts, self.restored_cuts):
             for episode in [e for e in table if covered(e)]:
                 keys.add(episode.capture_key)

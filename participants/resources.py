@@ -25,8 +25,9 @@ from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
 from typing import Any, Protocol
 
+from participants.hooks import stage_records, stop_tasks
 from ray_ckpt.admission import AdmissionGate
-from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest
+from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.records import Record, check_json
 from ray_ckpt.retired import retire_scope
@@ -147,17 +148,13 @@ class ResourcesParticipant:
                 )
             self._installed = True
             return []
-        staged: dict[EpisodeId, Any] = {}
-        for record in records:
-            try:
-                episode = EpisodeId.from_capture_key(record.key)
-            except InvalidRequest as exc:
-                raise InvalidCheckpointState(f"record key: {exc.detail}") from None
+
+        def parse(record: Record) -> Any:
             if not isinstance(record.state, dict) or "session" not in record.state:
                 raise InvalidCheckpointState(f"session {record.key}: record needs a 'session'")
-            if any(e.rollout_id == episode.rollout_id for e in staged):
-                raise InvalidCheckpointState(f"rollout {episode.rollout_id} is restored twice")
-            staged[episode.next()] = record.state["session"]
+            return record.state["session"]
+
+        staged = stage_records(records, parse)
         await self.hooks.restore_session_states(staged)
         self.sessions.update(staged)
         self.restored.update(staged)
@@ -168,16 +165,9 @@ class ResourcesParticipant:
     async def retire(self, episode_ids: Sequence[EpisodeId]) -> list[str]:
         covered = retire_scope(episode_ids)
 
-        keys: set[str] = set()
-        me = asyncio.current_task()
-        stopping = []
-        for req in [r for r in self._inflight.values() if covered(r.episode)]:
-            keys.add(req.episode.capture_key)
-            if req.task is not None and not req.task.done() and req.task is not me:
-                req.task.cancel()
-                stopping.append(req.task)
-        if stopping:
-            await asyncio.wait(stopping)
+        stopping = [r for r in self._inflight.values() if covered(r.episode)]
+        keys = {r.episode.capture_key for r in stopping}
+        await stop_tasks(r.task for r in stopping)
         for episode in sorted(e for e in self.sessions if covered(e)):
             await self.hooks.retire_session_state(episode)
             self.sessions.discard(episode)
