@@ -19,15 +19,14 @@ import msgspec
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.storage import durable
 from ray_ckpt.storage.participant_store import (
-    MANIFEST_NAME,
     SCHEMA_VERSION,
     ParticipantManifest,
     check_name,
     decode_manifest,
     encode_manifest,
     load_manifest,
-    participant_dir,
-    read_participant,
+    manifest_bytes,
+    read_records,
 )
 
 GYM_MANIFEST_NAME = "_manifest.json"
@@ -96,11 +95,7 @@ def write_gym_manifest(
             )
         if (m.kind, m.instance) in entries:
             raise InvalidCheckpointState(f"participant {m.kind}/{m.instance} is listed twice")
-        path = participant_dir(checkpoint_dir, m.kind, m.instance) / MANIFEST_NAME
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise InvalidCheckpointState(f"missing manifest {path}: not committed") from None
+        path, data = manifest_bytes(checkpoint_dir, m.kind, m.instance)
         if decode_manifest(data, str(path)) != m:
             raise InvalidCheckpointState(f"manifest {path} differs from the committed one")
         entries[(m.kind, m.instance)] = GymEntry(
@@ -153,23 +148,20 @@ def read_gym_manifest(checkpoint_dir: str | os.PathLike[str]) -> GymManifest:
 
 
 def _check_listed(checkpoint_dir: str | os.PathLike[str], gym: GymManifest, e: GymEntry) -> None:
-    path = participant_dir(checkpoint_dir, e.kind, e.instance) / MANIFEST_NAME
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise InvalidCheckpointState(
-            f"missing manifest {path}: participant not committed"
-        ) from None
+    read = manifest_bytes(checkpoint_dir, e.kind, e.instance)
+    path, data = read
     if hashlib.sha256(data).hexdigest() != e.manifest_digest:
         raise InvalidCheckpointState(f"manifest {path} does not match the Gym manifest's digest")
-    # Digest and count are verified over every byte; states need not be decoded.
-    read_participant(
+    # The hashed bytes are the ones validated (the file is read once).
+    manifest = load_manifest(
         checkpoint_dir,
         kind=e.kind,
         instance=e.instance,
         checkpoint_id=gym.checkpoint_id,
-        select=lambda _key: False,
+        read=read,
     )
+    # Digest and count are verified over every byte; states need not be decoded.
+    read_records(checkpoint_dir, manifest, select=lambda _key: False)
 
 
 def _present(checkpoint_dir: str | os.PathLike[str]) -> set[tuple[str, str]]:

@@ -96,15 +96,31 @@ def decode_manifest(data: bytes, where: str) -> ParticipantManifest:
     return manifest
 
 
-def load_manifest(
-    checkpoint_dir: str | os.PathLike[str], *, kind: str, instance: str, checkpoint_id: str | None
-) -> ParticipantManifest:
-    """The validated manifest of one participant (no records read)."""
+def manifest_bytes(
+    checkpoint_dir: str | os.PathLike[str], kind: str, instance: str
+) -> tuple[pathlib.Path, bytes]:
+    """The path and exact bytes of one participant's manifest (missing: not committed)."""
     path = participant_dir(checkpoint_dir, kind, instance) / MANIFEST_NAME
     try:
-        data = path.read_bytes()
+        return path, path.read_bytes()
     except FileNotFoundError:
         raise InvalidCheckpointState(f"missing manifest {path}: not committed") from None
+
+
+def load_manifest(
+    checkpoint_dir: str | os.PathLike[str],
+    *,
+    kind: str,
+    instance: str,
+    checkpoint_id: str | None,
+    read: tuple[pathlib.Path, bytes] | None = None,
+) -> ParticipantManifest:
+    """The validated manifest of one participant (no records read).
+
+    `read` is what `manifest_bytes` already returned, so a caller that hashed
+    those bytes validates the same ones instead of reading the file again.
+    """
+    path, data = read or manifest_bytes(checkpoint_dir, kind, instance)
     manifest = decode_manifest(data, str(path))
     if (manifest.kind, manifest.instance) != (kind, instance):
         raise InvalidCheckpointState(
@@ -229,7 +245,17 @@ def read_participant(
     manifest = load_manifest(
         checkpoint_dir, kind=kind, instance=instance, checkpoint_id=checkpoint_id
     )
-    path = participant_dir(checkpoint_dir, kind, instance) / manifest.records_file
+    return manifest, read_records(checkpoint_dir, manifest, select)
+
+
+def read_records(
+    checkpoint_dir: str | os.PathLike[str],
+    manifest: ParticipantManifest,
+    select: Callable[[str], bool] | None = None,
+) -> list[Record]:
+    """Verify the whole records file a loaded manifest names; the records `select` keeps."""
+    pdir = participant_dir(checkpoint_dir, manifest.kind, manifest.instance)
+    path = pdir / manifest.records_file
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -255,7 +281,7 @@ def read_participant(
         raise InvalidCheckpointState(
             f"records {path} hold {len(keys)} episodes, manifest lists {manifest.record_count}"
         )
-    return manifest, kept
+    return kept
 
 
 def _parse(
