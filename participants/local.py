@@ -14,8 +14,16 @@ from aiohttp import web
 
 from participants.fleet import KIND_ORDER, START_ORDER, FleetConfig, factory_options
 from ray_ckpt.controller import ParticipantController
-from ray_ckpt.hosting import GymServer, Serving, bind_socket, import_factory, serve_app
-from ray_ckpt.hosting import socket_address as _address
+from ray_ckpt.hosting import (
+    GymServer,
+    ServerSpec,
+    Serving,
+    bind_socket,
+    load_server,
+    serve_app,
+    settings_dict,
+    socket_address,
+)
 from ray_ckpt.routes import maybe_install_control_routes
 
 
@@ -70,9 +78,10 @@ async def start_local_server(
     **options: Any,
 ) -> LocalServer:
     settings = config.settings()
-    server = import_factory(factory)(name=name, settings=settings, **options)
-    if not isinstance(server, GymServer) or server.kind != kind:
-        raise TypeError(f"{factory} did not build a {kind} server")
+    spec = ServerSpec(
+        kind=kind, name=name, factory=factory, options=options, settings=settings_dict(settings)
+    )
+    server = load_server(spec)
     app = server.app()
     if not isinstance(app, web.Application):
         raise TypeError("the reference servers are aiohttp apps")
@@ -83,7 +92,7 @@ async def start_local_server(
         maybe_install_control_routes(app, controller, settings)
         controller.start()
     sock = bind_socket("127.0.0.1", 0)
-    host, port = _address(sock)
+    host, port = socket_address(sock)
     serving = await serve_app(app, sock, drain_s=drain_s)
     return LocalServer(server, controller, f"http://{host}:{port}", serving)
 
