@@ -88,15 +88,8 @@ class ParticipantHost(NamedControlOps):
         self.host, self.port = socket_address(self._sock)
         self._serving: Serving | None = None
         self._stopped = False
-        self._tasks: set[asyncio.Task[Any]] = set()
         # Ray runs a sync __init__ of an async actor on the actor's loop.
-        self._started = self._spawn(self._start())
-
-    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
-        task: asyncio.Task[Any] = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        self._started = asyncio.get_running_loop().create_task(self._start())
 
     async def _start(self) -> None:
         self._serving = await serve_app(self._app, self._sock, drain_s=self._drain_s)
@@ -147,7 +140,7 @@ class ParticipantHost(NamedControlOps):
         return await self._controller().handle(op, body)
 
     async def stop(self) -> dict[str, Any]:
-        """Graceful stop (idempotent): drain data routes, close sockets, cancel tasks."""
+        """Graceful stop (idempotent): drain data routes, close sockets, then controller, server."""
         if self._stopped:
             return {"stopped": True, "idempotent": True}
         self._stopped = True
@@ -161,16 +154,7 @@ class ParticipantHost(NamedControlOps):
         if self.controller is not None:
             await self.controller.aclose()
         await self.server.aclose()
-        await _cancel_all(self._tasks)
         return {"stopped": True, "idempotent": False}
-
-
-async def _cancel_all(tasks: set[asyncio.Task[Any]]) -> None:
-    current = asyncio.current_task()
-    pending = [t for t in tasks if t is not current and not t.done()]
-    for task in pending:
-        task.cancel()
-    await asyncio.gather(*pending, return_exceptions=True)
 
 
 # --- placement ------------------------------------------------------------------

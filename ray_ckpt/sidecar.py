@@ -155,11 +155,8 @@ class SidecarHost(NamedControlOps):
         self._ahead = FIRST_RENEW_AHEAD_S
         self._wake = asyncio.Event()
         self._stopped = False
-        self._tasks: set[asyncio.Task[Any]] = set()
         # Ray runs a sync __init__ of an async actor on the actor's loop.
-        task = asyncio.get_running_loop().create_task(self._renew_loop())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._renewer = asyncio.get_running_loop().create_task(self._renew_loop())
 
     # --- Ray methods -------------------------------------------------------------
     async def ready(self) -> dict[str, Any]:
@@ -198,10 +195,8 @@ class SidecarHost(NamedControlOps):
         if self._stopped:
             return {"stopped": True, "idempotent": True}
         self._stopped = True
-        pending = [t for t in self._tasks if not t.done()]
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        self._renewer.cancel()
+        await asyncio.gather(self._renewer, return_exceptions=True)
         await self.client.aclose()
         return {"stopped": True, "idempotent": False}
 
