@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from coordination.fanout import failure, fan_out
+from coordination.fanout import failure
 from coordination.hosts import Host
 from coordination.journal import JournalEntry
 from coordination.order import Member, restore_groups, retire_groups
@@ -171,12 +171,7 @@ class CoordinatorCore(PhaseDriver):
                 "checkpoint_dir": checkpoint_dir,
                 "episode_ids": [_episode(e) for e in episodes],
             }
-            out = await fan_out(
-                self._hosts(restore_groups(members)[0]),
-                "restore",
-                lambda h: body,
-                self._timeout(deadline_ts),
-            )
+            out = await self._group(restore_groups(members)[0], "restore", body, deadline_ts)
             if out.errors:
                 await self._undo_restore(cid, episodes, deadline_ts)
                 raise _failed("restore", cid, {k: failure(e) for k, e in out.errors.items()})
@@ -245,7 +240,7 @@ class CoordinatorCore(PhaseDriver):
         reply_field = "retired" if op == "retire" else "forgotten"
         done: dict[str, list[str]] = {}
         for group in retire_groups(self._members()):
-            out = await fan_out(self._hosts(group), op, lambda h: body, self._timeout(deadline_ts))
+            out = await self._group(group, op, body, deadline_ts)
             done.update({k: list(r.get(reply_field, [])) for k, r in out.replies.items()})
             if out.errors:
                 # Callers before callees: stop here; the call is idempotent, retry it.
