@@ -77,12 +77,7 @@ class ParticipantHost(NamedControlOps):
             if isinstance(app, web.Application):
                 maybe_install_control_routes(app, self.controller, self.settings)
             else:
-                app = ControlASGIMiddleware(
-                    app,
-                    self.controller,
-                    token=self.settings.token,
-                    max_body_bytes=self.settings.max_control_body_bytes,
-                )
+                app = ControlASGIMiddleware.from_settings(app, self.controller, self.settings)
         self._app = app
         self._sock = bind_socket(spec.host, spec.port)
         self.host, self.port = socket_address(self._sock)

@@ -232,6 +232,14 @@ class ControlASGIMiddleware:
         self.app = app
         self._gate = _Gate(target, token, max_body_bytes)
 
+    @classmethod
+    def from_settings(
+        cls, app: ASGIApp, target: ControlTarget, settings: CheckpointSettings
+    ) -> ControlASGIMiddleware:
+        """In front of `app`, with the settings' token and body limit."""
+        limit = settings.max_control_body_bytes
+        return cls(app, target, token=settings.token, max_body_bytes=limit)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = _ASGI_ROUTES.get(_route_path(scope)) if scope["type"] == "http" else None
         if route is None:

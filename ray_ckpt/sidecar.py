@@ -127,9 +127,7 @@ def wrap_asgi_sidecar(
     controller = ParticipantController(
         participant, instance=instance, settings=settings, clock=clock
     )
-    front = ControlASGIMiddleware(
-        app, controller, token=settings.token, max_body_bytes=settings.max_control_body_bytes
-    )
+    front = ControlASGIMiddleware.from_settings(app, controller, settings)
     return _ControllerLifecycle(front, controller), controller
 
 
