@@ -17,7 +17,7 @@ from typing import Any
 from coordination.fanout import failure
 from coordination.hosts import Host
 from coordination.journal import JournalEntry
-from coordination.order import Member, restore_groups, retire_groups
+from coordination.order import Member, forget_groups, restore_groups, retire_groups
 from coordination.phases import PhaseDriver, _episode, _failed, new_id
 from coordination.results import (
     CheckpointResult,
@@ -239,7 +239,8 @@ class CoordinatorCore(PhaseDriver):
         body = {"checkpoint_id": oid, "deadline_ts": deadline_ts, field: values}
         reply_field = "retired" if op == "retire" else "forgotten"
         done: dict[str, list[str]] = {}
-        for group in retire_groups(self._members()):
+        groups = forget_groups if op == "forget" else retire_groups
+        for group in groups(self._members()):
             out = await self._group(group, op, body, deadline_ts)
             done.update({k: list(r.get(reply_field, [])) for k, r in out.replies.items()})
             if out.errors:
