@@ -17,6 +17,7 @@ import pytest
 import ray
 
 from coordination.handle import CoordinatorHandle
+from coordination.scenario import fleet_stats
 from participants.fleet import Fleet
 from ray_ckpt.client import ControlClient, data_session
 from ray_ckpt.errors import CheckpointError, StaleCheckpoint
@@ -60,9 +61,7 @@ async def test_coordinator_killed_mid_checkpoint_leases_lapse_and_a_new_one_take
         await stats_until(fleet, mid_flight, "rollouts mid-generation")
         prepared = await gym.aprepare(deadline_s=PREPARE_S)
         assert await phases(fleet) == {"prepared"}
-        tokens = (await stats_until(fleet, lambda s: True, "stats"))["policy_model"][
-            "tokens_generated"
-        ]
+        tokens = (await fleet_stats(fleet))["policy_model"]["tokens_generated"]
 
         ray.kill(gym.actor, no_restart=True)
         killed = time.monotonic()
