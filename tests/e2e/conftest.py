@@ -9,11 +9,14 @@ For every e2e module (part B may use them too):
   - `e2e.coordinator(name=..., **timeouts) -> CoordinatorHandle`: a coordinator
     with its journal under `tmp_path`, killed at teardown;
   - `await e2e.baseline(config, n, steps, seed) -> {rollout: digest}`: the
-    uninterrupted run's digests, computed in process without Ray (delays
-    zeroed: results are seed-deterministic) and cached per session;
+    uninterrupted run's digests (`baseline` below, for `Rollouts.make(n, steps, seed)`);
   - `e2e.rollouts(n, steps, seed) -> (Rollouts, Tally)`: a tally counts each
     rollout's finishes, so a test can assert each finished exactly once.
+- `await baseline(config, tasks) -> {rollout: digest}`: the uninterrupted run's
+  digests, computed in process without Ray (delays zeroed, checkpointing off:
+  results are seed-deterministic) and cached per session.
 - `await until(probe, what, timeout_s=...)`: poll a condition, fail with `what`.
+- `await reads_until(read, predicate, what)`: poll `read()` until `predicate` holds.
 - `await stats_until(fleet, predicate, what)`: poll every server's `/stats`.
 - `await host_phases(fleet)`, `await assert_clean(fleet)`: control phase per
   kind; every server idle and holding nothing.
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
+import orjson
 import pytest
 
 from coordination.handle import CoordinatorHandle, connect
@@ -42,10 +46,36 @@ from ray_ckpt.client import data_session
 
 T = TypeVar("T")
 
+Stats = dict[str, dict[str, Any]]
+
 # Results depend on these config fields only (never on delays, names or modes
 # that decide what a checkpoint waits for).
 _RESULT_FIELDS = ("model_seed", "tokens_per_turn", "turns_per_step", "resources_mode")
-_baselines: dict[tuple[Any, ...], dict[str, str]] = {}
+_baselines: dict[bytes, dict[str, str]] = {}
+
+
+async def baseline(config: FleetConfig, tasks: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Digests of an uninterrupted run of `tasks` with checkpointing off, in process
+    (delays zeroed: results depend on the seeds only), cached per session."""
+    key = orjson.dumps(
+        [*(getattr(config, f) for f in _RESULT_FIELDS), tasks], option=orjson.OPT_SORT_KEYS
+    )
+    if key not in _baselines:
+        quick = msgspec.structs.replace(
+            config, checkpoint=False, token_delay_s=0.0, step_delay_s=0.0, verify_delay_s=0.0
+        )
+        fleet = await start_local_fleet(quick)
+        rollouts = Rollouts(dict(tasks))
+        try:
+            async with data_session(64, 64) as session:
+                for rollout in rollouts.tasks:
+                    rollouts.start(session, fleet.urls["environment"], rollout)
+                await rollouts.wait(timeout_s=60)
+        finally:
+            await fleet.stop()
+        assert not rollouts.failures, rollouts.failures
+        _baselines[key] = rollouts.digests()
+    return dict(_baselines[key])
 
 
 class Tally:
@@ -107,23 +137,7 @@ class E2E:
         return rollouts, Tally(rollouts)
 
     async def baseline(self, config: FleetConfig, n: int, steps: int, seed: int) -> dict[str, str]:
-        key = (*(getattr(config, f) for f in _RESULT_FIELDS), n, steps, seed)
-        if key not in _baselines:
-            quick = msgspec.structs.replace(
-                config, token_delay_s=0.0, step_delay_s=0.0, verify_delay_s=0.0
-            )
-            fleet = await start_local_fleet(quick)
-            rollouts = Rollouts.make(n, steps, seed)
-            try:
-                async with data_session(64, 64) as session:
-                    for rollout in rollouts.tasks:
-                        rollouts.start(session, fleet.urls["environment"], rollout)
-                    await rollouts.wait(timeout_s=60)
-            finally:
-                await fleet.stop()
-            assert not rollouts.failures, rollouts.failures
-            _baselines[key] = rollouts.digests()
-        return dict(_baselines[key])
+        return await baseline(config, Rollouts.make(n, steps, seed).tasks)
 
     def close(self) -> None:
         import ray
@@ -164,26 +178,33 @@ async def until(
     return last
 
 
-async def stats_until(
-    fleet: Fleet,
-    predicate: Callable[[dict[str, dict[str, Any]]], bool],
+async def reads_until(
+    read: Callable[[], Awaitable[T]],
+    predicate: Callable[[T], bool],
     what: str,
     *,
     timeout_s: float = 20.0,
-) -> dict[str, dict[str, Any]]:
-    """Every server's `/stats`, polled until `predicate` holds."""
-    seen: dict[str, dict[str, Any]] = {}
+    poll_s: float = 0.02,
+) -> T:
+    """`read()` polled until `predicate` holds of it; fail naming `what` and the last read."""
+    seen: list[T] = []
 
     async def probe() -> bool:
-        nonlocal seen
-        seen = await fleet_stats(fleet)
-        return predicate(seen)
+        seen[:] = [await read()]
+        return predicate(seen[0])
 
     try:
-        await until(probe, what, timeout_s=timeout_s)
+        await until(probe, what, timeout_s=timeout_s, poll_s=poll_s)
     except AssertionError as exc:
         raise AssertionError(f"{exc}; stats: {seen}") from None
-    return seen
+    return seen[0]
+
+
+async def stats_until(
+    fleet: Fleet, predicate: Callable[[Stats], bool], what: str, *, timeout_s: float = 20.0
+) -> Stats:
+    """Every server's `/stats`, polled until `predicate` holds."""
+    return await reads_until(lambda: fleet_stats(fleet), predicate, what, timeout_s=timeout_s)
 
 
 async def host_phases(fleet: Fleet) -> dict[str, str]:

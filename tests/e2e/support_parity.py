@@ -43,9 +43,7 @@ from participants.local import LocalFleet, start_local_server
 from participants.policy_model import Call
 from ray_ckpt.client import data_session
 from ray_ckpt.identity import EpisodeId
-from tests.e2e.conftest import E2E
-
-Stats = dict[str, dict[str, Any]]
+from tests.e2e.conftest import E2E, Stats, reads_until
 
 # Small and quick: a turn is ~0.1 s, so a checkpoint lands mid-generation or mid-tool.
 FAST = FleetConfig(
@@ -304,6 +302,25 @@ class RayGym(Gym):
                 await self.fleet.stop(timeout_s=10)
 
 
+async def start_gym(config: FleetConfig, kit: E2E | None) -> Gym:
+    """A Ray gym in the kit's namespace when there is a kit, else one in process."""
+    if kit is not None:
+        return await RayGym.start(replace(config, namespace=kit.namespace), kit)
+    return await LocalGym.start(config)
+
+
+async def crash_restore(
+    gym: Gym, rollouts: Rollouts, where: str, scope: Sequence[EpisodeId]
+) -> RestoreResult:
+    """Kill the fleet with the checkpoint still open, resume what survives (the
+    coordinator's open checkpoint; dead hosts fail), restore into fresh hosts."""
+    await gym.crash(rollouts)
+    resumed = await gym.resume()
+    assert resumed.failures, "every host was dead: resume should report them"
+    await gym.relaunch()
+    return await gym.restore(where, scope)
+
+
 # --- end state ---------------------------------------------------------------
 
 
@@ -396,52 +413,12 @@ def replace(config: FleetConfig, **changes: Any) -> FleetConfig:
 
 # --- driving -------------------------------------------------------------------
 
-_baselines: dict[bytes, dict[str, str]] = {}
-
-
-async def baseline(config: FleetConfig, tasks: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """Digests of an uninterrupted run of `tasks` with checkpointing off (in process;
-    results depend on the seeds, never on delays), cached per session."""
-    import orjson
-
-    from participants.local import start_local_fleet
-
-    key = orjson.dumps(
-        [config.model_seed, config.tokens_per_turn, config.turns_per_step, tasks],
-        option=orjson.OPT_SORT_KEYS,
-    )
-    if key not in _baselines:
-        quick = replace(
-            config, checkpoint=False, token_delay_s=0.0, step_delay_s=0.0, verify_delay_s=0.0
-        )
-        fleet = await start_local_fleet(quick)
-        rollouts = Rollouts(dict(tasks))
-        try:
-            async with data_session(64, 64) as session:
-                for rollout in rollouts.tasks:
-                    rollouts.start(session, fleet.urls["environment"], rollout)
-                await rollouts.wait(timeout_s=60)
-        finally:
-            await fleet.stop()
-        assert not rollouts.failures, rollouts.failures
-        _baselines[key] = rollouts.digests()
-    return dict(_baselines[key])
-
 
 async def stats_until(
     gym: Gym, predicate: Callable[[Stats], bool], what: str, *, timeout_s: float = 20.0
 ) -> Stats:
     """Poll every server's `/stats` until `predicate` holds; fail naming `what`."""
-    seen: Stats = {}
-    try:
-        async with asyncio.timeout(timeout_s):
-            while True:
-                seen = await gym.stats()
-                if predicate(seen):
-                    return seen
-                await asyncio.sleep(0.005)
-    except TimeoutError:
-        raise AssertionError(f"timed out waiting for {what}; stats: {seen}") from None
+    return await reads_until(gym.stats, predicate, what, timeout_s=timeout_s, poll_s=0.005)
 
 
 def generating(stats: Stats, *, below: int) -> bool:

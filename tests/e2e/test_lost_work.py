@@ -15,7 +15,6 @@ an episode's work regenerated shrinks as episodes grow.  The table is printed
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -25,12 +24,11 @@ import pytest
 from coordination.scenario import Rollouts
 from participants.rollout import make_tasks
 from ray_ckpt.client import data_session
-from tests.e2e.conftest import Tally, assert_exactly_once
+from tests.e2e.conftest import Tally, assert_exactly_once, baseline, until
 from tests.e2e.support_parity import (
     FAST,
     LocalGym,
     assert_idle_and_empty,
-    baseline,
     env_keys,
     expected_work,
     publish,
@@ -69,13 +67,13 @@ async def test_a_crash_costs_every_episode_at_most_its_generation_in_flight_what
                 delay = 0.09 * (max(LENGTHS) - steps[r])
                 rollouts.start(session, gym.env_url, r, delay_s=delay)
             model = gym.server("policy_model").participant
-            async with asyncio.timeout(20):
-                while True:
-                    called = {e.rollout_id for e in model.ledger}
-                    called |= {c.episode.rollout_id for c in model.calls.values()}
-                    if called == set(rollouts.tasks):
-                        break
-                    await asyncio.sleep(0.005)
+
+            async def every_episode_called() -> bool:
+                called = {e.rollout_id for e in model.ledger}
+                called |= {c.episode.rollout_id for c in model.calls.values()}
+                return called == set(rollouts.tasks)
+
+            await until(every_episode_called, "every episode to call the model", poll_s=0.005)
             await gym.prepare()
             scope = rollouts.unfinished()
             assert len(scope) == len(steps), "an episode finished before the checkpoint"

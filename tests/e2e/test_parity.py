@@ -18,20 +18,17 @@ import pytest
 from coordination.scenario import Rollouts
 from participants.fleet import FleetConfig
 from ray_ckpt.client import data_session
-from ray_ckpt.identity import EpisodeId
-from tests.e2e.conftest import E2E, Tally, assert_exactly_once
+from tests.e2e.conftest import E2E, Tally, assert_exactly_once, baseline
 from tests.e2e.support_parity import (
     FAST,
     Gym,
-    LocalGym,
-    RayGym,
-    baseline,
+    crash_restore,
     env_keys,
     expected_work,
     generating,
     publish,
     redone,
-    replace,
+    start_gym,
     stats_until,
     summed,
     table,
@@ -56,11 +53,7 @@ async def make_gym(kit: E2E | None) -> AsyncIterator[Make]:
     gyms: list[Gym] = []
 
     async def make(config: FleetConfig) -> Gym:
-        gym: Gym
-        if kit is not None:
-            gym = await RayGym.start(replace(config, namespace=kit.namespace), kit)
-        else:
-            gym = await LocalGym.start(config)
+        gym = await start_gym(config, kit)
         gyms.append(gym)
         return gym
 
@@ -76,16 +69,6 @@ def mid_flight(stats: dict[str, Any], *, live: int = 3) -> bool:
         and generating(stats, below=FAST.tokens_per_turn)
         and tool_in_flight(stats)
     )
-
-
-async def crash_restore(gym: Gym, rollouts: Rollouts, where: Path, scope: list[EpisodeId]) -> Any:
-    """Kill the fleet with the checkpoint still open, resume what survives (the
-    coordinator's open checkpoint; dead hosts fail), restore into fresh hosts."""
-    await gym.crash(rollouts)
-    resumed = await gym.resume()
-    assert resumed.failures, "every host was dead: resume should report them"
-    await gym.relaunch()
-    return await gym.restore(str(where), scope)
 
 
 def report_lost_work(
@@ -118,7 +101,7 @@ async def test_a_second_crash_before_the_replacement_starts_still_continues(
         committed = await gym.commit(str(tmp_path / "c1"), scope)
         assert env_keys(committed) == ["r0", "r1", "r2"]
 
-        restored = await crash_restore(gym, rollouts, tmp_path / "c1", scope)
+        restored = await crash_restore(gym, rollouts, str(tmp_path / "c1"), scope)
         replacements = [e.next() for e in scope]
         assert env_keys(restored) == ["r0-a1", "r1-a1", "r2-a1"]
         # Attempt 1 is named but its /run never starts: checkpoint it as it is.
@@ -128,7 +111,7 @@ async def test_a_second_crash_before_the_replacement_starts_still_continues(
         committed = await gym.commit(str(tmp_path / "c2"), replacements)
         assert env_keys(committed) == ["r0-a1", "r1-a1", "r2-a1"]
 
-        restored = await crash_restore(gym, rollouts, tmp_path / "c2", replacements)
+        restored = await crash_restore(gym, rollouts, str(tmp_path / "c2"), replacements)
         assert env_keys(restored) == ["r0-a2", "r1-a2", "r2-a2"]
         for e in replacements:
             rollouts.start(session, gym.env_url, e.rollout_id, attempt=e.attempt + 1)
@@ -163,7 +146,7 @@ async def test_restoring_the_same_checkpoint_twice_leaves_the_dead_run_out_of_th
         scope = rollouts.unfinished()
         assert env_keys(await gym.commit(str(c1), scope)) == ["r0", "r1", "r2"]
 
-        await crash_restore(gym, rollouts, c1, scope)
+        await crash_restore(gym, rollouts, str(c1), scope)
         restored_rows = (await gym.stats())["policy_model"]["ledger_entries"]
         for e in scope:
             rollouts.start(session, gym.env_url, e.rollout_id, attempt=1)

@@ -21,12 +21,12 @@ from ray_ckpt.client import data_session
 from ray_ckpt.errors import CoordinationFailed, StaleAttempt
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage import read_participant
-from tests.e2e.conftest import Tally, assert_exactly_once
+from tests.e2e.conftest import Tally, assert_exactly_once, baseline
 from tests.e2e.support_parity import (
     FAST,
     LocalGym,
     assert_idle_and_empty,
-    baseline,
+    crash_restore,
     env_keys,
     generating,
     replace,
@@ -46,15 +46,6 @@ def records(gym: LocalGym, where: Path, kind: str) -> dict[str, Any]:
     name = gym.config.server_name(kind)
     _, recs = read_participant(where, kind=kind, instance=name, checkpoint_id=None)
     return {r.key: r.state for r in recs}
-
-
-async def crash_restore(
-    gym: LocalGym, rollouts: Rollouts, where: Path, scope: list[EpisodeId]
-) -> Any:
-    await gym.crash(rollouts)
-    await gym.resume()
-    await gym.relaunch()
-    return await gym.restore(str(where), scope)
 
 
 @pytest.mark.parametrize("crash", [True, False], ids=["crash", "no-crash"])
@@ -85,7 +76,7 @@ async def test_an_episode_finishing_during_prepare_is_neither_lost_nor_redone(
         assert not rollouts.results, "a result was delivered while the checkpoint was open"
 
         if crash:
-            restored = await crash_restore(gym, rollouts, tmp_path / "c1", [r0])
+            restored = await crash_restore(gym, rollouts, str(tmp_path / "c1"), [r0])
             assert env_keys(restored) == ["r0-a1"]
             rollouts.start(session, gym.env_url, "r0", attempt=1)
         else:
@@ -194,7 +185,7 @@ async def test_a_restart_only_episode_never_holds_up_a_checkpoint(
         assert records(gym, tmp_path / "c1", "environment") == {}
         assert records(gym, tmp_path / "c1", "resources") == {}
         if crash:
-            restored = await crash_restore(gym, rollouts, tmp_path / "c1", [])
+            restored = await crash_restore(gym, rollouts, str(tmp_path / "c1"), [])
             assert env_keys(restored) == []
             for rollout in rollouts.tasks:
                 rollouts.start(session, gym.env_url, rollout, attempt=1)
@@ -229,7 +220,7 @@ async def test_a_replacement_at_its_return_boundary_begins_during_a_checkpoint_w
         )
         await gym.prepare()
         await gym.commit(str(tmp_path / "c1"), [r0])
-        await crash_restore(gym, rollouts, tmp_path / "c1", [r0])
+        await crash_restore(gym, rollouts, str(tmp_path / "c1"), [r0])
         await gym.prepare()
         rollouts.start(session, gym.env_url, "r0", attempt=1)
         steps = gym.server("environment").steps

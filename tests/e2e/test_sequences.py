@@ -30,19 +30,18 @@ from coordination.scenario import Rollouts
 from participants.rollout import make_tasks
 from ray_ckpt.client import data_session
 from ray_ckpt.storage import verify_checkpoint
-from tests.e2e.conftest import E2E
+from tests.e2e.conftest import E2E, baseline
 from tests.e2e.support_parity import (
     FAST,
     Gym,
-    LocalGym,
-    RayGym,
     assert_idle_and_empty,
-    baseline,
+    crash_restore,
     env_keys,
     expected_work,
     publish,
     redone,
     replace,
+    start_gym,
     summed,
     table,
     work,
@@ -120,10 +119,7 @@ class Sequence:
         if not crash:
             await self.gym.resume()
             return
-        await self.gym.crash(self.rollouts)
-        await self.gym.resume()
-        await self.gym.relaunch()
-        restored = await self.gym.restore(str(where), scope)
+        restored = await crash_restore(self.gym, self.rollouts, str(where), scope)
         continued = set(env_keys(restored))
         for episode in scope:
             if episode.rollout_id in self.rollouts.results:
@@ -192,11 +188,7 @@ async def test_random_sequences_end_with_every_result_and_every_server_empty(
     config = replace(FAST, verify_mode="replay" if seed % 2 else "wait")
     rollouts = Rollouts(mixed_tasks(seed))
     expected = await baseline(config, rollouts.tasks)
-    gym: Gym
-    if kit is not None:
-        gym = await RayGym.start(replace(config, namespace=kit.namespace), kit)
-    else:
-        gym = await LocalGym.start(config)
+    gym = await start_gym(config, kit)
     gyms.append(gym)
     run = Sequence(gym, rollouts, rng, tmp_path)
     async with data_session(64, 64) as session:
