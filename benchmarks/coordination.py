@@ -36,6 +36,8 @@ if sys.path and os.path.abspath(sys.path[0]) == _HERE:
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+from ray_ckpt.hosting import NamedControlOps  # noqa: E402  (after the sys.path fix)
+
 KINDS = ("environment", "policy_model", "agent", "resources")
 
 
@@ -81,7 +83,10 @@ class EmptyParticipant:
         return []
 
 
-class BenchHost:
+class BenchHost(NamedControlOps):
+    """A host over a real controller and an empty participant (the per-operation
+    actor methods come from `NamedControlOps`, as in `ParticipantHost`)."""
+
     def __init__(self, kind: str, name: str) -> None:
         from ray_ckpt.controller import ParticipantController
         from ray_ckpt.settings import CheckpointSettings
@@ -91,23 +96,14 @@ class BenchHost:
         )
         self.ctrl = ParticipantController(EmptyParticipant(kind), instance=name, settings=settings)
 
+    async def call(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.ctrl.handle(op, body)
+
     async def noop(self, body: dict[str, Any]) -> dict[str, Any]:
         return {}
 
     async def status(self) -> dict[str, Any]:
         return self.ctrl.status()
-
-    async def prepare(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.ctrl.handle("prepare", body)
-
-    async def commit(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.ctrl.handle("commit", body)
-
-    async def resume(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.ctrl.handle("resume", body)
-
-    async def renew(self, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.ctrl.handle("renew", body)
 
 
 def progress(msg: str) -> None:
