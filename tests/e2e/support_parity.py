@@ -16,7 +16,6 @@ count the work a crash made it redo (`work`, `lost_work_rows`).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -43,7 +42,7 @@ from participants.local import LocalFleet, start_local_server
 from participants.policy_model import Call
 from ray_ckpt.client import data_session
 from ray_ckpt.identity import EpisodeId
-from tests.e2e.conftest import E2E, Stats, reads_until
+from tests.e2e.conftest import E2E, Stats, reads_until, until
 
 # Small and quick: a turn is ~0.1 s, so a checkpoint lands mid-generation or mid-tool.
 FAST = FleetConfig(
@@ -209,10 +208,12 @@ class LocalGym(Gym):
         assert fleet is not None
         await fleet.stop()
         model = fleet.server("policy_model").participant
+
+        async def dropped() -> bool:
+            return not model.calls
+
         # Cancelled handlers finish their `finally:` on the next loop turns.
-        async with asyncio.timeout(5):
-            while model.calls:  # noqa: ASYNC110 - no event marks the last drop
-                await asyncio.sleep(0.005)
+        await until(dropped, "the cancelled model calls to drop", timeout_s=5, poll_s=0.005)
         self.history.append({k: fleet.server(k).stats() for k in KIND_ORDER})
 
     async def prepare(self) -> PrepareResult:
