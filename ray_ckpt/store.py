@@ -92,31 +92,15 @@ class FileRecordStore:
         this participant must be listed in it with the same manifest digest, so
         a participant directory from another commit is never installed.
         """
-        import hashlib
+        from ray_ckpt.storage import load_manifest, read_gym_manifest
+        from ray_ckpt.storage.gym_manifest import gym_manifest_path, listed_manifest
+        from ray_ckpt.storage.participant_store import read_records
 
-        from ray_ckpt.errors import InvalidCheckpointState
-        from ray_ckpt.storage import participant_dir, read_participant
-        from ray_ckpt.storage.gym_manifest import gym_manifest_path, read_gym_manifest
-        from ray_ckpt.storage.participant_store import MANIFEST_NAME
-
-        checkpoint_id: str | None = None
         if gym_manifest_path(checkpoint_dir).exists():
             gym = read_gym_manifest(checkpoint_dir)
-            entry = gym.entry(kind, instance)
-            path = participant_dir(checkpoint_dir, kind, instance) / MANIFEST_NAME
-            try:
-                digest = hashlib.sha256(path.read_bytes()).hexdigest()
-            except FileNotFoundError:
-                raise InvalidCheckpointState(f"missing manifest {path}") from None
-            if digest != entry.manifest_digest:
-                raise InvalidCheckpointState(
-                    f"manifest {path} does not match the Gym manifest's digest"
-                )
-            checkpoint_id = gym.checkpoint_id
-        return read_participant(
-            checkpoint_dir,
-            kind=kind,
-            instance=instance,
-            checkpoint_id=checkpoint_id,
-            select=select,
-        )
+            manifest = listed_manifest(checkpoint_dir, gym, gym.entry(kind, instance))
+        else:
+            manifest = load_manifest(
+                checkpoint_dir, kind=kind, instance=instance, checkpoint_id=None
+            )
+        return manifest, read_records(checkpoint_dir, manifest, select)

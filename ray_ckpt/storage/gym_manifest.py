@@ -147,19 +147,27 @@ def read_gym_manifest(checkpoint_dir: str | os.PathLike[str]) -> GymManifest:
     return _decode_gym(data, path)
 
 
-def _check_listed(checkpoint_dir: str | os.PathLike[str], gym: GymManifest, e: GymEntry) -> None:
+def listed_manifest(
+    checkpoint_dir: str | os.PathLike[str], gym: GymManifest, e: GymEntry
+) -> ParticipantManifest:
+    """The manifest of a participant the Gym manifest lists, checked against its
+    digest there and its checkpoint ID (the file is read once: the hashed
+    bytes are the ones validated)."""
     read = manifest_bytes(checkpoint_dir, e.kind, e.instance)
     path, data = read
     if hashlib.sha256(data).hexdigest() != e.manifest_digest:
         raise InvalidCheckpointState(f"manifest {path} does not match the Gym manifest's digest")
-    # The hashed bytes are the ones validated (the file is read once).
-    manifest = load_manifest(
+    return load_manifest(
         checkpoint_dir,
         kind=e.kind,
         instance=e.instance,
         checkpoint_id=gym.checkpoint_id,
         read=read,
     )
+
+
+def _check_listed(checkpoint_dir: str | os.PathLike[str], gym: GymManifest, e: GymEntry) -> None:
+    manifest = listed_manifest(checkpoint_dir, gym, e)
     # Digest and count are verified over every byte; states need not be decoded.
     read_records(checkpoint_dir, manifest, select=lambda _key: False)
 
