@@ -31,7 +31,8 @@ async def test_relaunch_after_kill_9_reuses_the_names(namespace: str) -> None:
                 await asyncio.wait_for(handle.ready.remote(), 30)
         # The dead hosts still hold their names (the driver holds handles).
         fresh = await launch_fleet(config)
-        assert {k: i["pid"] for k, i in fresh.info.items()}.keys() == fleet.info.keys()
+        assert fresh.names == fleet.names
+        assert fresh.info.keys() == fleet.info.keys()
         assert not set(pids) & {i["pid"] for i in fresh.info.values()}
         # A live fleet's names are not taken over.
         with pytest.raises(ValueError, match="alive"):
