@@ -36,7 +36,7 @@ if sys.path and os.path.abspath(sys.path[0]) == _HERE:
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-from ray_ckpt.hosting import NamedControlOps  # noqa: E402  (after the sys.path fix)
+from ray_ckpt.hosting.spec import NamedControlOps  # noqa: E402  (after the sys.path fix)
 
 KINDS = ("environment", "policy_model", "agent", "resources")
 
@@ -60,7 +60,7 @@ class EmptyParticipant:
         return True
 
     def report(self, limit: int) -> Any:
-        from ray_ckpt.wire import PrepareReport
+        from ray_ckpt.control.wire import PrepareReport
 
         return PrepareReport(ready=True)
 
@@ -88,7 +88,7 @@ class BenchHost(NamedControlOps):
     actor methods come from `NamedControlOps`, as in `ParticipantHost`)."""
 
     def __init__(self, kind: str, name: str) -> None:
-        from ray_ckpt.controller import ParticipantController
+        from ray_ckpt.control.controller import ParticipantController
         from ray_ckpt.settings import CheckpointSettings
 
         settings = CheckpointSettings.model_validate(

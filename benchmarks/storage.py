@@ -43,8 +43,8 @@ from typing import Any
 
 import psutil
 
-from ray_ckpt.records import Record, check_json
 from ray_ckpt.storage import read_participant, write_participant
+from ray_ckpt.storage.record import Record, check_json
 from ray_ckpt.storage.records_format import FRAME, MAGIC, StateEncoder, decode_state
 
 CHUNK = 4 << 20

@@ -8,7 +8,6 @@ Every command that talks to the cluster attaches with `--address` (default
 from __future__ import annotations
 
 import datetime
-import importlib
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -202,11 +201,6 @@ def inspect(directory: str, as_json: bool) -> None:
 @click.pass_context
 def demo(ctx: click.Context) -> None:
     """Run the end-to-end demo (--address, --namespace, --rollouts, --steps, --json)."""
-    try:
-        module = importlib.import_module("coordination.demo")
-    except ModuleNotFoundError as exc:
-        if exc.name != "coordination.demo":
-            raise
-        click.echo("ray-ckpt demo is not available yet (coordination/demo.py is missing)", err=True)
-        sys.exit(2)
-    sys.exit(module.demo_command_main(list(ctx.args)))
+    from coordination.demo.run import demo_command_main
+
+    sys.exit(demo_command_main(list(ctx.args)))

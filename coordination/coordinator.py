@@ -33,10 +33,10 @@ from coordination.results import (
     RetireResult,
     Timeouts,
 )
-from ray_ckpt.client import ControlClient
+from ray_ckpt.control.client import ControlClient
+from ray_ckpt.control.protocol import KINDS
 from ray_ckpt.errors import InvalidRequest
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.participant import KINDS
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from coordination.fanout import failure
 from coordination.hosts import Host
 from coordination.journal import JournalEntry
 from coordination.order import Member, forget_groups, restore_groups, retire_groups
-from coordination.phases import PhaseDriver, _episode, _failed, new_id
+from coordination.phase_driver import PhaseDriver, _episode, _failed, new_id
 from coordination.results import (
     CheckpointResult,
     CommitResult,

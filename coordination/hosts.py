@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 from coordination.order import Member
-from ray_ckpt.client import ControlClient
+from ray_ckpt.control.client import ControlClient
 from ray_ckpt.errors import CheckpointError, ParticipantUnavailable
 
 Log = list[tuple[float, str, str, str]]  # (monotonic time, event, who, op)

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from ray_ckpt.control.protocol import KINDS
 from ray_ckpt.errors import InvalidRequest
-from ray_ckpt.participant import KINDS
 
 PREPARE_STAGES: tuple[tuple[str, ...], ...] = (
     ("environment",),

@@ -2,7 +2,7 @@
 
 - participant hooks per kind: `PolicyModelParticipant`, `AgentParticipant`,
   `ResourcesParticipant` (+ `SessionHooks`, `ResourcesMode`); the environment
-  uses `ray_ckpt.episode_participant.EpisodeParticipant` over `EpisodeSteps`;
+  uses `ray_ckpt.steps.participant.EpisodeParticipant` over `EpisodeSteps`;
 - reference servers (GymServer factories) in `participants.servers.*`;
 - `launch_fleet` (Ray hosts) and `start_local_fleet` (in-process);
 - the controller-side driver: `run_episode`, `make_tasks`, `result_digest`.

@@ -24,14 +24,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from participants.hooks import stage_records
-from ray_ckpt.admission import AdmissionGate
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
+from ray_ckpt.control.admission import AdmissionGate
+from ray_ckpt.control.retire_marks import retire_scope
+from ray_ckpt.control.wire import PrepareReport
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.records import Record, check_json
-from ray_ckpt.retired import retire_scope
 from ray_ckpt.steps import EpisodeSteps
-from ray_ckpt.wire import PrepareReport
+from ray_ckpt.storage.record import Record, check_json
 
 SESSION_FIELDS = frozenset({"step", "turn", "done", "messages", "turns", "result"})
 

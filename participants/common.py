@@ -18,7 +18,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from ray_ckpt.client import data_session
+from ray_ckpt.control.client import data_session
 from ray_ckpt.errors import (
     CheckpointError,
     InvalidRequest,
@@ -28,7 +28,7 @@ from ray_ckpt.errors import (
 from ray_ckpt.identity import EpisodeId
 
 if TYPE_CHECKING:
-    from ray_ckpt.controller import ParticipantController
+    from ray_ckpt.control.controller import ParticipantController
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

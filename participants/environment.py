@@ -25,10 +25,10 @@ from collections import Counter
 from typing import Any, Protocol
 
 from participants.common import digest
-from ray_ckpt.episode_participant import EpisodeParticipant
 from ray_ckpt.errors import InvalidRequest
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.steps import Episode, EpisodeSteps, restart_from_headers, verify_mode_from_headers
+from ray_ckpt.steps.participant import EpisodeParticipant
 
 
 def environment_participant(steps: EpisodeSteps) -> EpisodeParticipant:

@@ -13,8 +13,9 @@ from typing import Any
 from aiohttp import web
 
 from participants.fleet import KIND_ORDER, START_ORDER, FleetConfig, factory_options
-from ray_ckpt.controller import ParticipantController
-from ray_ckpt.hosting import (
+from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.routes import maybe_install_control_routes
+from ray_ckpt.hosting.spec import (
     GymServer,
     ServerSpec,
     Serving,
@@ -24,7 +25,6 @@ from ray_ckpt.hosting import (
     settings_dict,
     socket_address,
 )
-from ray_ckpt.routes import maybe_install_control_routes
 
 
 @dataclass

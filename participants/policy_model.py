@@ -29,12 +29,12 @@ from typing import Any
 import msgspec
 
 from participants.hooks import stage_records, stop_tasks
-from ray_ckpt.admission import AdmissionGate
+from ray_ckpt.control.admission import AdmissionGate
+from ray_ckpt.control.retire_marks import retire_scope
+from ray_ckpt.control.wire import Blocker, PrepareReport, to_builtins
 from ray_ckpt.errors import AdmissionClosed, InvalidCheckpointState
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.records import Record
-from ray_ckpt.retired import retire_scope
-from ray_ckpt.wire import Blocker, PrepareReport, to_builtins
+from ray_ckpt.storage.record import Record
 
 
 class Cut(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

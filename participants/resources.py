@@ -26,12 +26,12 @@ from enum import StrEnum
 from typing import Any, Protocol
 
 from participants.hooks import stage_records, stop_tasks
-from ray_ckpt.admission import AdmissionGate
+from ray_ckpt.control.admission import AdmissionGate
+from ray_ckpt.control.retire_marks import retire_scope
+from ray_ckpt.control.wire import Blocker, PrepareReport
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.records import Record, check_json
-from ray_ckpt.retired import retire_scope
-from ray_ckpt.wire import Blocker, PrepareReport
+from ray_ckpt.storage.record import Record, check_json
 
 
 class ResourcesMode(StrEnum):

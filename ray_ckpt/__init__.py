@@ -3,26 +3,26 @@
 The core knows nothing of participant kinds: `participants` implements the
 hooks per kind and `coordination` drives the ordered phases across them.
 Heavy pieces (Ray hosts, storage) are imported from their modules:
-`ray_ckpt.host`, `ray_ckpt.storage`, `ray_ckpt.sidecar`.
+`ray_ckpt.hosting.host`, `ray_ckpt.storage`, `ray_ckpt.hosting.sidecar`.
 """
 
-from ray_ckpt.client import ControlClient, data_session
 from ray_ckpt.clock import Clock, ManualClock, SystemClock
-from ray_ckpt.controller import ParticipantController
-from ray_ckpt.episode_participant import EpisodeParticipant
-from ray_ckpt.errors import CheckpointError, Reason
-from ray_ckpt.identity import EpisodeId, parse_rollout_path, rollout_path
-from ray_ckpt.participant import KINDS, Participant
-from ray_ckpt.phases import Phase
-from ray_ckpt.records import Record, check_json
-from ray_ckpt.routes import (
+from ray_ckpt.control.client import ControlClient, data_session
+from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.phase_machine import Phase
+from ray_ckpt.control.protocol import KINDS, Participant
+from ray_ckpt.control.routes import (
     CHECKPOINT_ROUTE_PREFIX,
     ControlASGIMiddleware,
     install_control_routes,
     maybe_install_control_routes,
 )
+from ray_ckpt.errors import CheckpointError, Reason
+from ray_ckpt.identity import EpisodeId, parse_rollout_path, rollout_path
 from ray_ckpt.settings import CheckpointSettings, load_settings, settings_from_dict
 from ray_ckpt.steps import EpisodeSteps, StepMode
+from ray_ckpt.steps.participant import EpisodeParticipant
+from ray_ckpt.storage.record import Record, check_json
 
 __all__ = [
     "CHECKPOINT_ROUTE_PREFIX",

@@ -17,14 +17,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
+from ray_ckpt.control.retire_marks import retire_scope
+from ray_ckpt.control.wire import MAX_REPORTED_BLOCKERS, PrepareReport
 from ray_ckpt.errors import AdmissionClosed, InvalidPhase, InvalidRequest, StaleAttempt
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.records import Record
-from ray_ckpt.retired import retire_scope
 from ray_ckpt.steps.episode import _UNSET, Episode, Restored, Step
 from ray_ckpt.steps.modes import BLOCKING, EpisodeState, StepMode
 from ray_ckpt.steps.persist import build_report, export_records, stage_records
-from ray_ckpt.wire import MAX_REPORTED_BLOCKERS, PrepareReport
+from ray_ckpt.storage.record import Record
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ import msgspec
 
 from ray_ckpt.errors import CheckpointError, InvalidCheckpointState
 from ray_ckpt.identity import ID_PATTERN, EpisodeId
-from ray_ckpt.records import Record
 from ray_ckpt.storage import durable
 from ray_ckpt.storage.durable import WriteStop
 from ray_ckpt.storage.pipeline import CHUNK, HashingReader, HashingWriter
+from ray_ckpt.storage.record import Record
 from ray_ckpt.storage.records_format import FORMAT, FRAME, MAGIC, StateEncoder, decode_state
 
 SCHEMA_VERSION = 1

@@ -38,11 +38,11 @@ import msgspec
 import orjson
 import pytest
 
+from coordination.demo.scenario import Rollouts, fleet_stats
 from coordination.handle import CoordinatorHandle, connect
-from coordination.scenario import Rollouts, fleet_stats
 from participants.fleet import Fleet, FleetConfig, launch_fleet
 from participants.local import start_local_fleet
-from ray_ckpt.client import data_session
+from ray_ckpt.control.client import data_session
 
 T = TypeVar("T")
 

@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 
 from coordination.core import CoordinatorCore
+from coordination.demo.scenario import Rollouts, crash
 from coordination.handle import CoordinatorHandle
 from coordination.hosts import FakeHost
 from coordination.order import Member
@@ -36,11 +37,10 @@ from coordination.results import (
     ResumeResult,
     Timeouts,
 )
-from coordination.scenario import Rollouts, crash
 from participants.fleet import KIND_ORDER, START_ORDER, Fleet, FleetConfig, factory_options
 from participants.local import LocalFleet, start_local_server
 from participants.policy_model import Call
-from ray_ckpt.client import data_session
+from ray_ckpt.control.client import data_session
 from ray_ckpt.identity import EpisodeId
 from tests.e2e.conftest import E2E, Stats, reads_until, until
 

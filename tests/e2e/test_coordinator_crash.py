@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import ray
 
+from coordination.demo.scenario import fleet_stats
 from coordination.handle import CoordinatorHandle
-from coordination.scenario import fleet_stats
 from participants.fleet import Fleet
-from ray_ckpt.client import ControlClient, data_session
+from ray_ckpt.control.client import ControlClient, data_session
 from ray_ckpt.errors import CheckpointError, StaleCheckpoint
 from ray_ckpt.storage import verify_checkpoint
 from tests.e2e.conftest import (

@@ -18,9 +18,9 @@ import psutil
 import pytest
 import ray
 
-from coordination.scenario import crash, fleet_stats, restore_and_continue
+from coordination.demo.scenario import crash, fleet_stats, restore_and_continue
 from participants.fleet import Fleet
-from ray_ckpt.client import data_session
+from ray_ckpt.control.client import data_session
 from ray_ckpt.storage import verify_checkpoint
 from tests.e2e.conftest import E2E, assert_clean, assert_exactly_once, stats_until, until
 

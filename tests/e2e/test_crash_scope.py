@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from coordination.scenario import Rollouts, crash, fleet_stats
-from ray_ckpt.client import data_session
+from coordination.demo.scenario import Rollouts, crash, fleet_stats
+from ray_ckpt.control.client import data_session
 from ray_ckpt.errors import CoordinationFailed
 from ray_ckpt.identity import EpisodeId
 from tests.e2e.conftest import (

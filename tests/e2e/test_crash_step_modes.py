@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from coordination.scenario import crash, fleet_stats, restore_and_continue
-from ray_ckpt.client import data_session
+from coordination.demo.scenario import crash, fleet_stats, restore_and_continue
+from ray_ckpt.control.client import data_session
 from ray_ckpt.storage import read_gym_manifest, verify_checkpoint
 from tests.e2e.conftest import E2E, assert_clean, assert_exactly_once, stats_until
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
+from coordination.demo.scenario import Rollouts, crash, fleet_stats, restore_and_continue
 from coordination.handle import CoordinatorHandle
-from coordination.scenario import Rollouts, crash, fleet_stats, restore_and_continue
 from participants.fleet import Fleet
-from ray_ckpt.client import data_session
+from ray_ckpt.control.client import data_session
 from ray_ckpt.errors import CoordinationFailed
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage import verify_checkpoint

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coordination.demo import DemoOptions, run_demo
-from coordination.demo_report import Ui
+from coordination.demo.report import Ui
 
 pytestmark = [pytest.mark.ray]
 

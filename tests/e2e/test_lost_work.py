@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from coordination.scenario import Rollouts
+from coordination.demo.scenario import Rollouts
 from participants.rollout import make_tasks
-from ray_ckpt.client import data_session
+from ray_ckpt.control.client import data_session
 from tests.e2e.conftest import Tally, assert_exactly_once, baseline, until
 from tests.e2e.support_parity import (
     FAST,

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from coordination.scenario import Rollouts
+from coordination.demo.scenario import Rollouts
 from participants.fleet import FleetConfig
-from ray_ckpt.client import data_session
+from ray_ckpt.control.client import data_session
 from tests.e2e.conftest import E2E, Tally, assert_exactly_once, baseline
 from tests.e2e.support_parity import (
     FAST,

@@ -15,9 +15,9 @@ from typing import Any
 import orjson
 import pytest
 
-from coordination.scenario import Rollouts
+from coordination.demo.scenario import Rollouts
 from participants.rollout import run_episode
-from ray_ckpt.client import data_session
+from ray_ckpt.control.client import data_session
 from ray_ckpt.errors import CoordinationFailed, StaleAttempt
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage import read_participant

@@ -26,9 +26,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from coordination.scenario import Rollouts
+from coordination.demo.scenario import Rollouts
 from participants.rollout import make_tasks
-from ray_ckpt.client import data_session
+from ray_ckpt.control.client import data_session
 from ray_ckpt.storage import verify_checkpoint
 from tests.e2e.conftest import E2E, baseline
 from tests.e2e.support_parity import (

@@ -11,7 +11,7 @@ import asyncio
 import time
 from typing import Any
 
-from ray_ckpt.controller import ParticipantController
+from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.settings import CheckpointSettings
 from tests.unit.fakes import FakeParticipant
 

@@ -11,8 +11,8 @@ from click.testing import CliRunner
 from pydantic import SecretStr
 
 from coordination.cli import main
-from ray_ckpt.host import start_host, stop_host
-from ray_ckpt.hosting import ServerSpec, settings_dict
+from ray_ckpt.hosting.host import start_host, stop_host
+from ray_ckpt.hosting.spec import ServerSpec, settings_dict
 from ray_ckpt.settings import CheckpointSettings
 
 pytestmark = pytest.mark.ray
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.ray
 SPEC = ServerSpec(
     kind="environment",
     name="cli",
-    factory="ray_ckpt.testing_servers:aiohttp_server",
+    factory="tests.servers:aiohttp_server",
     settings=settings_dict(
         CheckpointSettings(enabled=True, control_auth_token=SecretStr("cli-token"))
     ),

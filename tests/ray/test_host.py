@@ -14,7 +14,8 @@ import aiohttp
 import pytest
 from pydantic import SecretStr
 
-from ray_ckpt.client import ControlClient
+from ray_ckpt.control.client import ControlClient
+from ray_ckpt.control.routes import CHECKPOINT_ROUTE_PREFIX
 from ray_ckpt.errors import (
     CheckpointConflict,
     InvalidPhase,
@@ -22,17 +23,16 @@ from ray_ckpt.errors import (
     StaleCheckpoint,
     Unauthorized,
 )
-from ray_ckpt.host import get_host, start_host, stop_host
-from ray_ckpt.hosting import ServerSpec, current_node_id, settings_dict
-from ray_ckpt.routes import CHECKPOINT_ROUTE_PREFIX
+from ray_ckpt.hosting.host import get_host, start_host, stop_host
+from ray_ckpt.hosting.spec import ServerSpec, current_node_id, settings_dict
 from ray_ckpt.settings import CheckpointSettings
 
 pytestmark = pytest.mark.ray
 
 TOKEN = "host-test-token"
 FACTORIES = {
-    "aiohttp": "ray_ckpt.testing_servers:aiohttp_server",
-    "fastapi": "ray_ckpt.testing_servers:fastapi_server",
+    "aiohttp": "tests.servers:aiohttp_server",
+    "fastapi": "tests.servers:fastapi_server",
 }
 Start = Callable[..., Awaitable[tuple[Any, dict[str, Any]]]]
 

@@ -14,13 +14,13 @@ import aiohttp
 import pytest
 from pydantic import SecretStr
 
-from ray_ckpt.client import ControlClient
+from ray_ckpt.control.client import ControlClient
 from ray_ckpt.errors import StaleCheckpoint
-from ray_ckpt.host import start_host, stop_host
-from ray_ckpt.hosting import ServerSpec, bind_socket, serve_app, settings_dict, socket_address
+from ray_ckpt.hosting.host import start_host, stop_host
+from ray_ckpt.hosting.sidecar import wrap_asgi_sidecar
+from ray_ckpt.hosting.spec import ServerSpec, bind_socket, serve_app, settings_dict, socket_address
 from ray_ckpt.settings import CheckpointSettings
-from ray_ckpt.sidecar import wrap_asgi_sidecar
-from ray_ckpt.testing_servers import SETTINGS_ENV, fastapi_server
+from tests.servers import SETTINGS_ENV, fastapi_server
 
 pytestmark = pytest.mark.ray
 
@@ -62,7 +62,7 @@ async def sidecar_process() -> AsyncIterator[str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "ray_ckpt.testing_servers",
+        "tests.servers",
         "--name",
         "side",
         stdout=asyncio.subprocess.PIPE,

@@ -14,12 +14,12 @@ import pytest
 from pydantic import SecretStr
 
 from coordination.handle import connect
-from ray_ckpt.host import start_host, stop_host
-from ray_ckpt.hosting import ServerSpec, settings_dict
+from ray_ckpt.hosting.host import start_host, stop_host
+from ray_ckpt.hosting.spec import ServerSpec, settings_dict
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.storage import read_gym_manifest
 from ray_ckpt.storage.inspect import inspect_checkpoint
-from ray_ckpt.testing_servers import SETTINGS_ENV
+from tests.servers import SETTINGS_ENV
 
 pytestmark = pytest.mark.ray
 
@@ -40,7 +40,7 @@ async def test_three_transports_one_checkpoint(namespace: str, tmp_path: Path) -
     # Sidecar: the Gym server is its own OS process; its host forwards control calls.
     env = {**os.environ, SETTINGS_ENV: json.dumps(SETTINGS)}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "ray_ckpt.testing_servers", "--kind", "policy_model",
+        sys.executable, "-m", "tests.servers", "--kind", "policy_model",
         "--name", "side", stdout=asyncio.subprocess.PIPE, env=env,
     )  # fmt: skip
     hosts = []
@@ -60,7 +60,7 @@ async def test_three_transports_one_checkpoint(namespace: str, tmp_path: Path) -
                 ServerSpec(
                     kind="environment",
                     name="hosted",
-                    factory="ray_ckpt.testing_servers:aiohttp_server",
+                    factory="tests.servers:aiohttp_server",
                     settings=SETTINGS,
                 ),
                 namespace=namespace,
@@ -72,7 +72,7 @@ async def test_three_transports_one_checkpoint(namespace: str, tmp_path: Path) -
             ServerSpec(
                 kind="resources",
                 name="far",
-                factory="ray_ckpt.testing_servers:fastapi_server",
+                factory="tests.servers:fastapi_server",
                 options={"kind": "resources"},
                 settings=SETTINGS,
             ),

@@ -10,7 +10,7 @@ from coordination.hosts import FakeHost, Log
 from coordination.journal import Journal
 from coordination.order import Member
 from coordination.results import Timeouts
-from ray_ckpt.controller import ParticipantController
+from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.settings import CheckpointSettings
 from tests.unit.fakes import FakeParticipant, MemoryStore
 

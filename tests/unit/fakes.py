@@ -9,10 +9,10 @@ from typing import Any
 
 import msgspec
 
+from ray_ckpt.control.wire import Blocker, PrepareReport
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.records import Record
-from ray_ckpt.wire import Blocker, PrepareReport
+from ray_ckpt.storage.record import Record
 
 
 class FakeParticipant:

@@ -1,6 +1,6 @@
 import asyncio
 
-from ray_ckpt.admission import AdmissionGate
+from ray_ckpt.control.admission import AdmissionGate
 
 
 async def test_gate_waits_for_reopen_and_never_suspends_when_open() -> None:

@@ -12,9 +12,11 @@ import pytest
 from aiohttp import web
 from pydantic import SecretStr
 
-from ray_ckpt.client import ControlClient, data_session
 from ray_ckpt.clock import ManualClock
-from ray_ckpt.controller import ParticipantController
+from ray_ckpt.control.client import ControlClient, data_session
+from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.routes import CHECKPOINT_ROUTE_PREFIX, control_app, install_control_routes
+from ray_ckpt.control.wire import CheckpointRequest, decode_request
 from ray_ckpt.errors import (
     CheckpointConflict,
     CheckpointError,
@@ -27,9 +29,7 @@ from ray_ckpt.errors import (
     StaleCheckpoint,
     Unauthorized,
 )
-from ray_ckpt.routes import CHECKPOINT_ROUTE_PREFIX, control_app, install_control_routes
 from ray_ckpt.settings import CheckpointSettings
-from ray_ckpt.wire import CheckpointRequest, decode_request
 
 from .conftest import Serve
 from .fakes import FakeParticipant, MemoryStore

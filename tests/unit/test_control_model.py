@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from ray_ckpt import ManualClock
-from ray_ckpt.controller import ParticipantController
+from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.errors import CheckpointError
 from ray_ckpt.settings import CheckpointSettings
 from tests.unit.fakes import FakeParticipant, MemoryStore

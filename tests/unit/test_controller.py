@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from ray_ckpt import EpisodeId, ManualClock, Record
-from ray_ckpt.controller import ParticipantController
+from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.errors import (
     CheckpointConflict,
     DeadlineExceeded,

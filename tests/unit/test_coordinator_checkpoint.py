@@ -14,6 +14,7 @@ import pytest
 
 from coordination.hosts import FakePauseTarget
 from coordination.journal import Journal
+from ray_ckpt.control.wire import CheckpointRequest
 from ray_ckpt.errors import (
     CheckpointConflict,
     CoordinationFailed,
@@ -22,7 +23,6 @@ from ray_ckpt.errors import (
     StaleCheckpoint,
 )
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.wire import CheckpointRequest
 from ray_ckpt.settings import CheckpointSettings
 from tests.unit.coord_fleet import FAST, Fleet, make_fleet
 

@@ -9,13 +9,13 @@ from typing import Any
 from pydantic import SecretStr
 
 from ray_ckpt.clock import ManualClock
-from ray_ckpt.controller import ParticipantController
-from ray_ckpt.episode_participant import EpisodeParticipant
+from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.protocol import Participant
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.participant import Participant
-from ray_ckpt.records import Record
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.steps import EpisodeSteps
+from ray_ckpt.steps.participant import EpisodeParticipant
+from ray_ckpt.storage.record import Record
 
 T0 = 1_000_000.0
 

@@ -11,12 +11,12 @@ from participants.agent import AgentParticipant
 from participants.policy_model import PolicyModelParticipant
 from participants.resources import ResourcesMode, ResourcesParticipant
 from participants.servers.resources import GuessGame, ResourcesServer
+from ray_ckpt.control.protocol import Participant
 from ray_ckpt.errors import AdmissionClosed, InvalidCheckpointState
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.participant import Participant
-from ray_ckpt.records import Record
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.steps import RESTART_HEADER, VERIFY_HEADER
+from ray_ckpt.storage.record import Record
 
 R, R1, S = EpisodeId("r"), EpisodeId("r", 1), EpisodeId("s")
 

@@ -1,7 +1,6 @@
 import pytest
 
-from ray_ckpt.errors import CheckpointConflict, InvalidPhase, StaleCheckpoint
-from ray_ckpt.phases import (
+from ray_ckpt.control.phase_machine import (
     RESUMED_IDS_KEPT,
     TRANSITIONS,
     ControlState,
@@ -10,6 +9,7 @@ from ray_ckpt.phases import (
     IllegalTransition,
     Phase,
 )
+from ray_ckpt.errors import CheckpointConflict, InvalidPhase, StaleCheckpoint
 
 
 def test_happy_path_and_effects() -> None:

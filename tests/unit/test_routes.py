@@ -13,15 +13,8 @@ from aiohttp import web
 from fastapi import FastAPI
 from pydantic import SecretStr
 
-from ray_ckpt.controller import ParticipantController
-from ray_ckpt.errors import (
-    CheckpointError,
-    CoordinationFailed,
-    InvalidCheckpointState,
-    Reason,
-    StaleCheckpoint,
-)
-from ray_ckpt.routes import (
+from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.routes import (
     CHECKPOINT_ROUTE_PREFIX,
     CONTROL_TARGET_KEY,
     ControlASGIMiddleware,
@@ -29,8 +22,15 @@ from ray_ckpt.routes import (
     install_control_routes,
     maybe_install_control_routes,
 )
+from ray_ckpt.control.wire import OPERATIONS, CheckpointRequest, decode_request
+from ray_ckpt.errors import (
+    CheckpointError,
+    CoordinationFailed,
+    InvalidCheckpointState,
+    Reason,
+    StaleCheckpoint,
+)
 from ray_ckpt.settings import CheckpointSettings
-from ray_ckpt.wire import OPERATIONS, CheckpointRequest, decode_request
 
 from .conftest import Serve
 from .fakes import FakeParticipant, MemoryStore
@@ -279,7 +279,7 @@ async def test_unexpected_error_is_500_and_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     target.error = RuntimeError("boom")
-    with caplog.at_level(logging.ERROR, logger="ray_ckpt.routes"):
+    with caplog.at_level(logging.ERROR, logger="ray_ckpt.control.routes"):
         status, reply = await post(http, url(base, "resume"), BASE)
         async with http.get(url(base, "status"), headers=AUTH) as r:
             assert r.status == 500

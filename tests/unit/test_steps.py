@@ -21,8 +21,8 @@ from ray_ckpt.errors import (
     StaleAttempt,
 )
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.records import Record
 from ray_ckpt.steps import EpisodeState, EpisodeSteps, EpisodeTimeout, StepMode
+from ray_ckpt.storage.record import Record
 from tests.unit.helpers import until
 
 R1 = EpisodeId("r1")

@@ -21,7 +21,6 @@ from aiohttp import web
 
 from ray_ckpt.errors import CheckpointError
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.records import Record
 from ray_ckpt.steps import (
     RESTART_HEADER,
     VERIFY_HEADER,
@@ -31,6 +30,7 @@ from ray_ckpt.steps import (
     seed_session_headers,
     verify_mode_from_headers,
 )
+from ray_ckpt.storage.record import Record
 from tests.unit.conftest import Serve
 from tests.unit.helpers import until
 

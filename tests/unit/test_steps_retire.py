@@ -9,8 +9,8 @@ import pytest
 from ray_ckpt.clock import ManualClock
 from ray_ckpt.errors import StaleAttempt
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.records import Record
 from ray_ckpt.steps import EpisodeState, EpisodeSteps
+from ray_ckpt.storage.record import Record
 from tests.unit.helpers import until
 
 

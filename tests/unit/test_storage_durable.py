@@ -11,7 +11,6 @@ from collections.abc import Iterator
 import pytest
 
 from ray_ckpt.errors import InvalidCheckpointState
-from ray_ckpt.records import Record
 from ray_ckpt.storage import (
     WriteStop,
     participant_dir,
@@ -22,6 +21,7 @@ from ray_ckpt.storage import (
     write_participant,
 )
 from ray_ckpt.storage.gym_manifest import gym_manifest_path
+from ray_ckpt.storage.record import Record
 
 KIND, INST = "agent", "a0"
 

@@ -9,7 +9,6 @@ import msgspec
 import pytest
 
 from ray_ckpt.errors import InvalidCheckpointState
-from ray_ckpt.records import Record
 from ray_ckpt.storage import (
     ParticipantManifest,
     participant_dir,
@@ -20,6 +19,7 @@ from ray_ckpt.storage import (
 )
 from ray_ckpt.storage.gym_manifest import gym_manifest_path
 from ray_ckpt.storage.inspect import InspectReport, inspect_checkpoint, render_inspect
+from ray_ckpt.storage.record import Record
 
 PARTS = [("agent", "a0"), ("environment", "e0"), ("environment", "e1")]
 

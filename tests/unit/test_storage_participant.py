@@ -11,7 +11,6 @@ import msgspec
 import pytest
 
 from ray_ckpt.errors import InvalidCheckpointState
-from ray_ckpt.records import Record
 from ray_ckpt.storage import (
     ParticipantManifest,
     participant_dir,
@@ -19,6 +18,7 @@ from ray_ckpt.storage import (
     write_participant,
 )
 from ray_ckpt.storage.participant_store import encode_manifest
+from ray_ckpt.storage.record import Record
 from ray_ckpt.storage.records_format import FRAME, MAGIC
 
 KIND, INST = "environment", "env-0"

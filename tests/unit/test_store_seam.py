@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from ray_ckpt import Record
-from ray_ckpt.controller import ParticipantController
+from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.storage import write_gym_manifest, write_participant
-from ray_ckpt.store import FileRecordStore
+from ray_ckpt.storage.seam import FileRecordStore
 from tests.unit.fakes import FakeParticipant
 
 SETTINGS = CheckpointSettings(enabled=True, control_auth_token="t")

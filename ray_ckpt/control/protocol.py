@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
+from ray_ckpt.control.wire import PrepareReport
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.records import Record
-from ray_ckpt.wire import PrepareReport
+from ray_ckpt.storage.record import Record
 
 KINDS = ("environment", "policy_model", "agent", "resources")
 

@@ -1,6 +1,6 @@
 """The participant controller: one per Gym server, transport-agnostic.
 
-It owns the pure phase machine (`ray_ckpt.phases`), the retire marks, the
+It owns the pure phase machine (`ray_ckpt.control.phase_machine`), the retire marks, the
 lease watcher, the readiness wait and the deadline-bounded storage calls, and
 carries out what the machine decides on the participant hooks.  The HTTP
 routes and the Ray actor methods both call `handle()`, so every transport
@@ -17,22 +17,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
-from ray_ckpt.errors import (
-    CheckpointConflict,
-    CheckpointError,
-    DeadlineExceeded,
-    InvalidCheckpointState,
-    InvalidPhase,
-    RestartInScope,
-)
-from ray_ckpt.identity import EpisodeId
-from ray_ckpt.participant import Participant
-from ray_ckpt.phases import ControlState, Effect, Event, Phase, Transition
-from ray_ckpt.records import Record, check_json
-from ray_ckpt.retired import RetiredAttempts
-from ray_ckpt.settings import CheckpointSettings
-from ray_ckpt.store import FileRecordStore, RecordStore, StopHandle
-from ray_ckpt.wire import (
+from ray_ckpt.control.phase_machine import ControlState, Effect, Event, Phase, Transition
+from ray_ckpt.control.protocol import Participant
+from ray_ckpt.control.retire_marks import RetiredAttempts
+from ray_ckpt.control.wire import (
     MAX_REPORTED_BLOCKERS,
     CheckpointRequest,
     CommitRequest,
@@ -42,6 +30,18 @@ from ray_ckpt.wire import (
     decode_request,
     to_builtins,
 )
+from ray_ckpt.errors import (
+    CheckpointConflict,
+    CheckpointError,
+    DeadlineExceeded,
+    InvalidCheckpointState,
+    InvalidPhase,
+    RestartInScope,
+)
+from ray_ckpt.identity import EpisodeId
+from ray_ckpt.settings import CheckpointSettings
+from ray_ckpt.storage.record import Record, check_json
+from ray_ckpt.storage.seam import FileRecordStore, RecordStore, StopHandle
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

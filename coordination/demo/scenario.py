@@ -25,7 +25,7 @@ import aiohttp
 
 from participants.fleet import Fleet, FleetConfig, launch_fleet
 from participants.rollout import make_tasks, result_digest, run_episode
-from ray_ckpt.client import data_session
+from ray_ckpt.control.client import data_session
 from ray_ckpt.errors import CheckpointError
 from ray_ckpt.identity import EpisodeId
 

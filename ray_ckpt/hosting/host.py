@@ -9,13 +9,13 @@ all of them, only the way calls reach it differs:
   routes on the same port.  The coordinator calls the actor's methods
   (`prepare`, `commit`, ...) with object refs; they call the very controller
   the HTTP routes call.
-- **Sidecar** (`ray_ckpt.sidecar.SidecarHost`): the Gym server is its own OS
+- **Sidecar** (`ray_ckpt.hosting.sidecar.SidecarHost`): the Gym server is its own OS
   process with the integration installed in-process; the colocated actor has
   the same methods and forwards each over loopback HTTP through the reserved
   control pool, and renews the server's lease while a checkpoint is open.  If
   the actor dies, the server's lease lapses and it resumes by itself.
 - **HTTP only**: a Gym server on another cluster is driven by URL and token
-  alone (`ray_ckpt.client.ControlClient`); no actor is involved.
+  alone (`ray_ckpt.control.client.ControlClient`); no actor is involved.
 
 Ray restarts an actor by re-running `__init__` only, so `__init__` does the
 whole setup: it loads the server, builds the controller, mounts the routes and
@@ -35,9 +35,11 @@ from typing import Any
 
 from aiohttp import web
 
-from ray_ckpt.controller import ParticipantController
+from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.routes import ASGIApp, ControlASGIMiddleware, maybe_install_control_routes
+from ray_ckpt.control.wire import OPERATIONS
 from ray_ckpt.errors import CheckpointError, NotFound, ParticipantUnavailable
-from ray_ckpt.hosting import (
+from ray_ckpt.hosting.spec import (
     DEFAULT_DRAIN_S,
     GymServer,
     NamedControlOps,
@@ -49,8 +51,6 @@ from ray_ckpt.hosting import (
     serve_app,
     socket_address,
 )
-from ray_ckpt.routes import ASGIApp, ControlASGIMiddleware, maybe_install_control_routes
-from ray_ckpt.wire import OPERATIONS
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def _remote(cls: type) -> Any:
 
 def host_class(spec: ServerSpec) -> type:
     if spec.url is not None:
-        from ray_ckpt.sidecar import SidecarHost
+        from ray_ckpt.hosting.sidecar import SidecarHost
 
         return SidecarHost
     return ParticipantHost
@@ -219,7 +219,7 @@ def get_host(kind: str, name: str, *, namespace: str) -> Any:
     """The handle of a running host (raises ValueError if there is none)."""
     import ray
 
-    from ray_ckpt.hosting import actor_name
+    from ray_ckpt.hosting.spec import actor_name
 
     return ray.get_actor(actor_name(kind, name), namespace=namespace)
 

@@ -26,10 +26,16 @@ from typing import Any
 import click
 import msgspec
 
-from coordination.demo_report import DemoReport, Ui
-from coordination.scenario import Rollouts, crash, fleet_stats, restore_and_continue, uninterrupted
+from coordination.demo.report import DemoReport, Ui
+from coordination.demo.scenario import (
+    Rollouts,
+    crash,
+    fleet_stats,
+    restore_and_continue,
+    uninterrupted,
+)
 from participants.fleet import FleetConfig, launch_fleet
-from ray_ckpt.client import data_session
+from ray_ckpt.control.client import data_session
 
 
 @dataclass(frozen=True)
@@ -220,6 +226,3 @@ def demo_command_main(args: list[str]) -> int:
         return exc.exit_code
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(demo_command_main(sys.argv[1:]))

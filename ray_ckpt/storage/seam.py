@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from ray_ckpt.records import Record
+from ray_ckpt.storage.record import Record
 
 
 class StopHandle(Protocol):

@@ -18,6 +18,8 @@ import msgspec
 import orjson
 
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
+from ray_ckpt.control.routes import CHECKPOINT_ROUTE_PREFIX
+from ray_ckpt.control.wire import OPERATIONS
 from ray_ckpt.errors import (
     CheckpointError,
     CoordinationFailed,
@@ -29,9 +31,7 @@ from ray_ckpt.errors import (
     Unauthorized,
     error_from_body,
 )
-from ray_ckpt.routes import CHECKPOINT_ROUTE_PREFIX
 from ray_ckpt.settings import CheckpointSettings
-from ray_ckpt.wire import OPERATIONS
 
 # Idle connections live long enough to span the gaps between control phases
 # (prepare → commit → resume) without a reconnect, and no longer.

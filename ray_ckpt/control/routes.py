@@ -17,9 +17,9 @@ from typing import Any, Protocol
 import orjson
 from aiohttp import web
 
+from ray_ckpt.control.wire import OPERATIONS
 from ray_ckpt.errors import CheckpointError, Reason
 from ray_ckpt.settings import CheckpointSettings
-from ray_ckpt.wire import OPERATIONS
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from coordination.demo.scenario import Continuation, Rollouts
 from coordination.results import CommitResult, PrepareResult
-from coordination.scenario import Continuation, Rollouts
 from participants.rollout import result_digest
 
 

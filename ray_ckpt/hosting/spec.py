@@ -5,7 +5,7 @@ from (Ray re-runs `__init__` with it on a restart, so it must be all the host
 needs).  Its `factory` is an importable ``"module:function"`` called as
 ``factory(name=..., settings=..., **options)`` and returning a `GymServer`.
 A spec with a `url` instead names a server that runs in its own process
-(sidecar mode, see `ray_ckpt.sidecar`).
+(sidecar mode, see `ray_ckpt.hosting.sidecar`).
 
 `serve_app` runs an aiohttp app (`AppRunner` + `SockSite`) or an ASGI app
 (uvicorn's `Server` as a task on the running loop, no extra process) on a
@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import msgspec
 from aiohttp import web
 
-from ray_ckpt.participant import KINDS, Participant
-from ray_ckpt.routes import ASGIApp
+from ray_ckpt.control.protocol import KINDS, Participant
+from ray_ckpt.control.routes import ASGIApp
 from ray_ckpt.settings import CheckpointSettings
 
 if TYPE_CHECKING:
-    from ray_ckpt.controller import ParticipantController
+    from ray_ckpt.control.controller import ParticipantController
 
 # How long a graceful stop lets in-flight data requests finish.
 DEFAULT_DRAIN_S = 10.0

@@ -27,13 +27,11 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from ray_ckpt.client import ControlClient
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
-from ray_ckpt.controller import ParticipantController
-from ray_ckpt.errors import CheckpointError, NotFound, ParticipantUnavailable
-from ray_ckpt.hosting import NamedControlOps, ServerSpec, current_node_id
-from ray_ckpt.participant import Participant
-from ray_ckpt.routes import (
+from ray_ckpt.control.client import ControlClient
+from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.protocol import Participant
+from ray_ckpt.control.routes import (
     ASGIApp,
     ControlASGIMiddleware,
     Message,
@@ -42,8 +40,10 @@ from ray_ckpt.routes import (
     Send,
     maybe_install_control_routes,
 )
+from ray_ckpt.control.wire import OPERATIONS
+from ray_ckpt.errors import CheckpointError, NotFound, ParticipantUnavailable
+from ray_ckpt.hosting.spec import NamedControlOps, ServerSpec, current_node_id
 from ray_ckpt.settings import CheckpointSettings
-from ray_ckpt.wire import OPERATIONS
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ a commit exports what the table holds, which a restore installs under
 attempt + 1.  Data routes: `GET /echo?msg=`, `PUT /episodes/{key}` (JSON
 state), `GET /episodes`, `GET /slow?s=` (sleeps, for drain tests).
 
-`python -m ray_ckpt.testing_servers` runs the aiohttp one as its own process
+`python -m tests.servers` runs the aiohttp one as its own process
 in sidecar mode (settings as JSON in `RAY_CKPT_TEST_SETTINGS`, so the token
 is not on the command line) and prints `URL <base url>` once it listens.
 """
@@ -24,16 +24,16 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
+from ray_ckpt.control.routes import ASGIApp
+from ray_ckpt.control.wire import PrepareReport
 from ray_ckpt.errors import AdmissionClosed, CheckpointError
-from ray_ckpt.hosting import bind_socket, serve_app, socket_address
+from ray_ckpt.hosting.spec import bind_socket, serve_app, socket_address
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.records import Record
-from ray_ckpt.routes import ASGIApp
 from ray_ckpt.settings import CheckpointSettings
-from ray_ckpt.wire import PrepareReport
+from ray_ckpt.storage.record import Record
 
 if TYPE_CHECKING:
-    from ray_ckpt.controller import ParticipantController
+    from ray_ckpt.control.controller import ParticipantController
 
 SETTINGS_ENV = "RAY_CKPT_TEST_SETTINGS"
 
@@ -199,7 +199,7 @@ def fastapi_server(
 
 
 async def _run_sidecar(kind: str, name: str, host: str, port: int) -> None:
-    from ray_ckpt.sidecar import install_sidecar
+    from ray_ckpt.hosting.sidecar import install_sidecar
 
     settings = CheckpointSettings.model_validate_json(os.environ.get(SETTINGS_ENV, "{}"))
     server = AiohttpTableServer(kind, name)

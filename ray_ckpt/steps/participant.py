@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from ray_ckpt.control.wire import PrepareReport
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.records import Record
 from ray_ckpt.steps import EpisodeSteps
-from ray_ckpt.wire import PrepareReport
+from ray_ckpt.storage.record import Record
 
 
 class EpisodeParticipant:

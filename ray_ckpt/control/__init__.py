@@ -1,0 +1,13 @@
+"""The control plane one Gym server runs: everything a control call touches.
+
+- `phase_machine` — the pure phase machine: transitions, fencing (stale →
+  conflict → phase), the replay cache, lease arithmetic;
+- `controller` — `ParticipantController`, which carries out what the machine
+  decides (readiness waits, commit and restore through the storage seam);
+- `protocol` — the `Participant` hooks one kind of server implements;
+- `wire` — msgspec request and reply bodies;
+- `routes` — the aiohttp control routes and the ASGI front;
+- `client` — the control client and its reserved connection pool;
+- `admission` — the gate closed from prepare to resume;
+- `retire_marks` — per-rollout refusal marks raised by retire.
+"""
