@@ -4,53 +4,41 @@ The `Coordinator` actor wraps one of these and adds only Ray concerns
 (discovery by name, recovery when Ray restarts it), so this logic is
 unit-tested deterministically with fake hosts.  One operation runs at a time;
 `renew` and `status` may run beside any of them.
+
+Here: the public operations (each taking the lock), checkpoint, retire/forget
+in order, status and recover.  The phases themselves are `PhaseDriver`'s
+(`coordination.phase_driver`); restore and its undo are in
+`coordination.restore`, the status rows in `coordination.status`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+from coordination.calls import coordination_failed, episode_body, new_id
 from coordination.fanout import failure
-from coordination.hosts import Host
-from coordination.journal import JournalEntry
-from coordination.order import Member, forget_groups, restore_groups, retire_groups
-from coordination.phase_driver import PhaseDriver, _episode, _failed, new_id
+from coordination.manifests import ManifestReader, read_listed
+from coordination.order import Member, forget_groups, retire_groups
+from coordination.phase_driver import PhaseDriver
+from coordination.restore import restore, undo_restore
 from coordination.results import (
     CheckpointResult,
     CommitResult,
     CoordinatorStatus,
     ForgetResult,
-    ParticipantStatus,
     PrepareResult,
     RestoreResult,
     ResumeResult,
     RetireResult,
 )
-from ray_ckpt.errors import (
-    CheckpointConflict,
-    CheckpointError,
-    CoordinationFailed,
-    InvalidCheckpointState,
-    InvalidPhase,
-    InvalidRequest,
-)
+from coordination.status import participant_rows
+from ray_ckpt.errors import InvalidPhase, InvalidRequest
 from ray_ckpt.identity import EpisodeId
 
 log = logging.getLogger(__name__)
-
-# checkpoint dir → (source checkpoint ID, {(kind, instance)} listed in its Gym manifest)
-ManifestReader = Callable[[str], tuple[str | None, set[tuple[str, str]]]]
-
-
-def read_listed(checkpoint_dir: str) -> tuple[str | None, set[tuple[str, str]]]:
-    from ray_ckpt.storage import read_gym_manifest
-
-    gym = read_gym_manifest(checkpoint_dir)
-    return gym.checkpoint_id, {(e.kind, e.instance) for e in gym.participants}
 
 
 class CoordinatorCore(PhaseDriver):
@@ -82,7 +70,7 @@ class CoordinatorCore(PhaseDriver):
             return await self._resume(deadline_s)
 
     async def renew(self) -> dict[str, float | None]:
-        return await self._renew()
+        return await self.renewer.renew()
 
     async def checkpoint(
         self,
@@ -132,86 +120,14 @@ class CoordinatorCore(PhaseDriver):
         """All or nothing: every participant restores, or none keeps what it installed."""
         episodes = list(episode_ids)
         async with self.lock:
-            if self.open is not None:
-                raise CheckpointConflict(f"checkpoint {self.open.checkpoint_id} is open")
-            members = self._members()
-            if not members:
-                raise InvalidRequest("no participants are registered")
-            start = time.monotonic()
-            try:
-                source_id, listed = await asyncio.to_thread(self.manifest_reader, checkpoint_dir)
-            except CheckpointError as exc:
-                raise CoordinationFailed(
-                    f"restore from {checkpoint_dir}: {exc}",
-                    operation="restore",
-                    failures={"gym-manifest": failure(exc)},
-                ) from None
-            # Checked before touching anyone: a participant the checkpoint does
-            # not list would start empty while the others continue.
-            missing = sorted(m.key for m in members if (m.kind, m.name) not in listed)
-            if missing:
-                err = InvalidCheckpointState(f"not listed in the Gym manifest of {checkpoint_dir}")
-                raise _failed("restore", source_id or "?", {k: failure(err) for k in missing})
-            cid = new_id("restore")
-            deadline_s = self.timeouts.restore_s if deadline_s is None else deadline_s
-            deadline_ts = self.clock.now() + deadline_s
-            keys = [e.capture_key for e in episodes]
-            self._record(
-                JournalEntry(
-                    checkpoint_id=cid,
-                    phase="restoring",
-                    op="restore",
-                    checkpoint_dir=checkpoint_dir,
-                    episode_ids=keys,
-                )
+            return await restore(
+                self,
+                self.manifest_reader,
+                checkpoint_dir,
+                episodes,
+                resume=resume,
+                deadline_s=deadline_s,
             )
-            body = {
-                "checkpoint_id": cid,
-                "deadline_ts": deadline_ts,
-                "checkpoint_dir": checkpoint_dir,
-                "episode_ids": [_episode(e) for e in episodes],
-            }
-            out = await self._group(restore_groups(members)[0], "restore", body, deadline_ts)
-            if out.errors:
-                await self._undo_restore(cid, episodes, deadline_ts)
-                raise _failed("restore", cid, {k: failure(e) for k, e in out.errors.items()})
-            entry = self.open
-            assert entry is not None
-            entry.phase = "restored"
-            self._record(entry)
-            if resume:
-                await self.resume_everyone(cid)
-            return RestoreResult(
-                checkpoint_id=cid,
-                source_checkpoint_id=source_id,
-                checkpoint_dir=checkpoint_dir,
-                total_s=time.monotonic() - start,
-                timings=out.timings,
-                restored={k: list(r.get("restored", [])) for k, r in out.replies.items()},
-                resumed=resume,
-            )
-
-    async def _undo_restore(
-        self, cid: str, episodes: Sequence[EpisodeId], deadline_ts: float
-    ) -> None:
-        """Retire the next attempts, then resume everyone; continue past failures.
-
-        Retired everywhere, not only where the install finished: a restore that
-        timed out may still install, and the same mark everywhere tells the
-        controller one attempt number to start those rollouts over with.
-        """
-        cleanup_ts = max(deadline_ts, self.clock.now() + self.timeouts.cleanup_min_s)
-        if episodes:
-            body = {
-                "checkpoint_id": cid,
-                "deadline_ts": cleanup_ts,
-                "episode_ids": [_episode(e.next()) for e in episodes],
-            }
-            for group in retire_groups(self._members()):
-                out = await self._group(group, "retire", body, cleanup_ts)
-                for key, err in out.errors.items():
-                    log.warning("cleanup retire of %s at %s failed: %s", cid, key, err)
-        await self.resume_everyone(cid)
 
     # --- retire / forget ---------------------------------------------------------
     def _idle_operation_id(self, op: str) -> str:
@@ -245,13 +161,13 @@ class CoordinatorCore(PhaseDriver):
             done.update({k: list(r.get(reply_field, [])) for k, r in out.replies.items()})
             if out.errors:
                 # Callers before callees: stop here; the call is idempotent, retry it.
-                raise _failed(op, oid, {k: failure(e) for k, e in out.errors.items()})
+                raise coordination_failed(op, oid, {k: failure(e) for k, e in out.errors.items()})
         return oid, done
 
     async def retire(
         self, episode_ids: Iterable[EpisodeId], *, deadline_s: float | None = None
     ) -> RetireResult:
-        episodes = [_episode(e) for e in episode_ids]
+        episodes = [episode_body(e) for e in episode_ids]
         if not episodes:
             raise InvalidRequest("retire needs at least one episode")
         async with self.lock:
@@ -274,21 +190,13 @@ class CoordinatorCore(PhaseDriver):
 
     # --- status / recovery -------------------------------------------------------
     async def status(self) -> CoordinatorStatus:
-        hosts = sorted(self.hosts.values(), key=lambda h: h.member)
-        tasks = [asyncio.ensure_future(h.status()) for h in hosts]
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=self.timeouts.status_s)
-            for t in pending:
-                t.cancel()
-            if pending:
-                await asyncio.wait(pending)
-        rows = [_status_row(h, t) for h, t in zip(hosts, tasks, strict=True)]
+        rows = await participant_rows(self.hosts.values(), self.timeouts.status_s)
         entry = self.open
         return CoordinatorStatus(
             open_checkpoint=entry.checkpoint_id if entry else None,
             phase=entry.phase if entry else None,
-            pause_mode=self.pause_mode,
-            controllers=sorted(self.pausers),
+            pause_mode=self.pauses.mode,
+            controllers=sorted(self.pauses.targets),
             participants=rows,
         )
 
@@ -304,38 +212,10 @@ class CoordinatorCore(PhaseDriver):
             )
             if entry.op == "restore" and entry.phase == "restoring":
                 episodes = [EpisodeId.from_capture_key(k) for k in entry.episode_ids]
-                await self._undo_restore(entry.checkpoint_id, episodes, self.clock.now())
+                await undo_restore(self, entry.checkpoint_id, episodes, self.clock.now())
             else:
                 await self.resume_everyone(entry.checkpoint_id)
             return entry.checkpoint_id
 
     def members(self) -> list[Member]:
         return sorted(self._members())
-
-
-def _status_row(host: Host, task: asyncio.Future[dict[str, Any]]) -> ParticipantStatus:
-    m = host.member
-    transport = host.describe().get("transport", "?")
-    if task.cancelled():
-        return ParticipantStatus(
-            participant=m.key, kind=m.kind, transport=transport, error="no reply"
-        )
-    exc = task.exception()
-    if exc is not None:
-        return ParticipantStatus(
-            participant=m.key, kind=m.kind, transport=transport, error=str(exc)[:200]
-        )
-    s = task.result()
-    report = s.get("report") or {}
-    return ParticipantStatus(
-        participant=m.key,
-        kind=m.kind,
-        transport=transport,
-        phase=s.get("phase"),
-        checkpoint_id=s.get("checkpoint_id"),
-        lease_expires_at=s.get("lease_expires_at"),
-        live_executions=s.get("live_executions"),
-        retired_rollouts=s.get("retired_rollouts"),
-        blockers=[str(b.get("key")) for b in report.get("blockers", [])],
-        blocker_count=int(report.get("blocker_count", 0)),
-    )

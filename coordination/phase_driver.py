@@ -10,6 +10,11 @@ One coordinated operation runs at a time (a lock); the split
 Every failure path resumes whatever a checkpoint touched — participants in
 reverse order, continuing past failures, then the paused controller actors —
 and raises `CoordinationFailed` naming each participant and why.
+
+The driver holds membership, the journal and the prepare/commit/resume
+phases; it delegates pausing the trainer/assembler to `ControllerPauses`
+(`coordination.pause`) and keeping leases alive to `LeaseRenewer`
+(`coordination.renewer`).
 """
 
 from __future__ import annotations
@@ -18,14 +23,17 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from coordination.calls import coordination_failed, episode_body, new_id, reply_timeout
 from coordination.fanout import Outcome, failure, fan_out
 from coordination.hosts import Host, PauseTarget
 from coordination.journal import Journal, JournalEntry
+from coordination.manifests import ManifestWriter, write_gym_manifest_from_replies
 from coordination.order import Member, commit_groups, prepare_groups, resume_groups
+from coordination.pause import ControllerPauses
+from coordination.renewer import LeaseRenewer
 from coordination.results import (
     CommitResult,
     PrepareResult,
@@ -44,28 +52,6 @@ from ray_ckpt.identity import EpisodeId
 
 log = logging.getLogger(__name__)
 
-PAUSE_MODES = ("full", "barrier")
-ManifestWriter = Callable[[str, str, list[dict[str, Any]]], Any]
-
-
-def write_gym_manifest_from_replies(
-    checkpoint_dir: str, checkpoint_id: str, manifests: list[dict[str, Any]]
-) -> Any:
-    """The real writer: participant manifests from commit replies → Gym manifest."""
-    import msgspec
-
-    from ray_ckpt.storage import ParticipantManifest, write_gym_manifest
-
-    parsed = [msgspec.convert(m, ParticipantManifest) for m in manifests]
-    return write_gym_manifest(checkpoint_dir, checkpoint_id=checkpoint_id, manifests=parsed)
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:16]}"
-
-
-# How often the renewer looks at the clock (it calls participants only when due).
-_RENEW_POLL_S = 0.2
 
 class PhaseDriver:
     def __init__(
@@ -82,15 +68,24 @@ class PhaseDriver:
         self.timeouts = timeouts or Timeouts()
         self.manifest_writer = manifest_writer
         self.hosts: dict[str, Host] = {}
-        self.pausers: dict[str, PauseTarget] = {}
-        self.pause_mode = pause_mode
         self.open: JournalEntry | None = None
         self.lock = asyncio.Lock()
-        self._renewer: asyncio.Task[None] | None = None
-        # The latest deadline sent in the open checkpoint: every participant's
-        # lease runs at least to it plus its grace, whatever that grace is.
-        self._lease_floor = 0.0
-        self._paused: list[str] = []  # roles paused for the open checkpoint
+        self.pauses = ControllerPauses(self.timeouts, pause_mode)
+        self.renewer = LeaseRenewer(
+            self.clock,
+            self.timeouts,
+            open_id=lambda: self.open.checkpoint_id if self.open is not None else None,
+            hosts=lambda: list(self.hosts.values()),
+        )
+
+    # The pause state lives in `self.pauses`; these keep the driver's old names.
+    @property
+    def pause_mode(self) -> str:
+        return self.pauses.mode
+
+    @property
+    def pausers(self) -> dict[str, PauseTarget]:
+        return self.pauses.targets
 
     # --- membership ----------------------------------------------------------
     def register(self, host: Host) -> None:
@@ -100,13 +95,7 @@ class PhaseDriver:
         self.hosts.pop(key, None)
 
     def register_pause(self, target: PauseTarget, *, mode: str | None = None) -> None:
-        if target.role not in ("trainer", "assembler"):
-            raise InvalidRequest(f"pause role must be trainer or assembler, not {target.role!r}")
-        if mode is not None:
-            if mode not in PAUSE_MODES:
-                raise InvalidRequest(f"pause mode must be one of {PAUSE_MODES}")
-            self.pause_mode = mode
-        self.pausers[target.role] = target
+        self.pauses.register(target, mode=mode)
 
     def _hosts(self, group: Sequence[Member]) -> list[Host]:
         return [self.hosts[m.key] for m in group]
@@ -123,102 +112,14 @@ class PhaseDriver:
         entry.members = {k: h.describe() for k, h in self.hosts.items()}
         self.journal.record(entry)
 
-    def _timeout(self, deadline_ts: float) -> float:
-        return max(deadline_ts - self.clock.now(), 0.0) + self.timeouts.reply_grace_s
-
     async def _group(
         self, group: Sequence[Member], op: str, body: Mapping[str, Any], deadline_ts: float
     ) -> Outcome:
         """One group's calls, together, under the deadline (plus the reply grace)."""
         if op in ("prepare", "commit"):
-            self._lease_floor = max(self._lease_floor, deadline_ts)
-        return await fan_out(self._hosts(group), op, lambda h: body, self._timeout(deadline_ts))
-
-    # --- controller-side pause -------------------------------------------------
-    def _prepare_roles(self) -> tuple[str, ...]:
-        return ("assembler", "trainer") if self.pause_mode == "full" else ("assembler",)
-
-    async def _pause(self, cid: str, roles: Sequence[str], deadline_s: float) -> None:
-        for role in roles:
-            target = self.pausers.get(role)
-            if target is None:
-                continue
-            # Recorded before the call: a pause that half-happened is still undone.
-            self._paused.append(role)
-            try:
-                await asyncio.wait_for(target.pause(cid, deadline_s), self.timeouts.pause_s)
-            except TimeoutError:
-                err: CheckpointError = DeadlineExceeded(f"{role} did not pause in time")
-                raise CoordinationFailed(
-                    f"pause of {role} failed", operation="pause", failures={role: failure(err)}
-                ) from None
-            except CheckpointError as exc:
-                raise CoordinationFailed(
-                    f"pause of {role} failed: {exc}",
-                    operation="pause",
-                    failures={role: failure(exc)},
-                ) from None
-
-    async def _unpause(self, cid: str, roles: Sequence[str] | None = None) -> dict[str, Any]:
-        failures: dict[str, Any] = {}
-        for role in reversed(list(self._paused)):
-            if roles is not None and role not in roles:
-                continue
-            self._paused.remove(role)
-            target = self.pausers.get(role)
-            if target is None:
-                continue
-            try:
-                await asyncio.wait_for(target.resume(cid), self.timeouts.pause_s)
-            except (TimeoutError, CheckpointError) as exc:
-                err = exc if isinstance(exc, CheckpointError) else DeadlineExceeded(str(exc))
-                failures[role] = failure(err)
-                log.warning("resume of %s for %s failed: %s", role, cid, exc)
-        return failures
-
-    # --- renewer -------------------------------------------------------------
-    def _start_renewer(self, cid: str) -> None:
-        self._stop_renewer()
-        self._lease_floor = 0.0
-        self._renewer = asyncio.ensure_future(self._renew_loop(cid))
-
-    def _stop_renewer(self) -> None:
-        if self._renewer is not None:
-            self._renewer.cancel()
-            self._renewer = None
-
-    async def _renew_loop(self, cid: str) -> None:
-        """Renew every `renew_every_s`, and always before the latest deadline we
-        sent passes: a lease is only sure to last that long plus its grace, and
-        the grace (each participant's setting) is not known here."""
-        poll_s = min(_RENEW_POLL_S, self.timeouts.renew_every_s)
-        margin_s = max(0.1 * self.timeouts.resume_s, _RENEW_POLL_S)
-        last = self.clock.now()
-        while self.open is not None and self.open.checkpoint_id == cid:
-            await asyncio.sleep(poll_s)
-            if self.open is None or self.open.checkpoint_id != cid:
-                return
-            now = self.clock.now()
-            floor_due = 0.0 < self._lease_floor <= now + margin_s
-            if floor_due or now - last >= self.timeouts.renew_every_s:
-                last = now
-                with contextlib.suppress(CheckpointError):
-                    await self._renew()
-
-    async def _renew(self) -> dict[str, float | None]:
-        """Extend every lease of the open checkpoint (publishing takes long)."""
-        entry = self.open
-        if entry is None:
-            return {}
-        deadline_ts = self.clock.now() + self.timeouts.resume_s
-        self._lease_floor = max(self._lease_floor, deadline_ts)
-        body = {"checkpoint_id": entry.checkpoint_id, "deadline_ts": deadline_ts}
-        out = await fan_out(
-            list(self.hosts.values()), "renew", lambda h: body, self._timeout(deadline_ts)
-        )
-        for key, err in out.errors.items():
-            log.warning("renew of %s at %s failed: %s", entry.checkpoint_id, key, err)
-        return {k: r.get("lease_expires_at") for k, r in out.replies.items()}
+            self.renewer.raise_floor(deadline_ts)
+        timeout = reply_timeout(self.clock, self.timeouts, deadline_ts)
+        return await fan_out(self._hosts(group), op, lambda h: body, timeout)
 
     # --- checkpoint: prepare ---------------------------------------------------
     async def _prepare(self, deadline_s: float | None = None) -> PrepareResult:
@@ -234,9 +135,9 @@ class PhaseDriver:
         deadline_s = self.timeouts.prepare_s if deadline_s is None else deadline_s
         deadline_ts = self.clock.now() + deadline_s
         self._record(JournalEntry(checkpoint_id=cid, phase="preparing", op="checkpoint"))
-        self._start_renewer(cid)
+        self.renewer.start(cid)
         try:
-            await self._pause(cid, self._prepare_roles(), deadline_s)
+            await self.pauses.pause(cid, self.pauses.prepare_roles(), deadline_s)
         except CoordinationFailed as exc:
             await self._abort(cid)
             raise exc from None
@@ -258,7 +159,7 @@ class PhaseDriver:
                     failures[key] = failure(err, report)
             if failures:
                 await self._abort(cid)
-                raise _failed("prepare", cid, failures)
+                raise coordination_failed("prepare", cid, failures)
         self._record(JournalEntry(checkpoint_id=cid, phase="prepared", op="checkpoint"))
         return PrepareResult(
             checkpoint_id=cid, seconds=time.monotonic() - start, timings=timings, restarts=restarts
@@ -296,23 +197,23 @@ class PhaseDriver:
             "checkpoint_id": cid,
             "deadline_ts": deadline_ts,
             "checkpoint_dir": checkpoint_dir,
-            "episode_ids": None if scope is None else [_episode(e) for e in scope],
+            "episode_ids": None if scope is None else [episode_body(e) for e in scope],
             "stop": stop,
         }
-        barrier = ("trainer",) if self.pause_mode == "barrier" else ()
+        barrier = self.pauses.commit_roles()
         out = Outcome()
         try:
-            await self._pause(cid, barrier, deadline_s)
+            await self.pauses.pause(cid, barrier, deadline_s)
             for group in commit_groups(self._members()):
                 out.merge(await self._group(group, "commit", body, deadline_ts))
         except CoordinationFailed as exc:
             await self._abort(cid)
             raise exc from None
         finally:
-            await self._unpause(cid, barrier)
+            await self.pauses.unpause(cid, barrier)
         if out.errors:
             await self._abort(cid)
-            raise _failed("commit", cid, {k: failure(e) for k, e in out.errors.items()})
+            raise coordination_failed("commit", cid, {k: failure(e) for k, e in out.errors.items()})
         manifests = [r.get("manifest") or {} for _, r in sorted(out.replies.items())]
         m_start = time.monotonic()
         try:
@@ -321,7 +222,7 @@ class PhaseDriver:
         except Exception as exc:
             await self._abort(cid)
             err = exc if isinstance(exc, CheckpointError) else CheckpointError(repr(exc))
-            raise _failed("commit", cid, {"gym-manifest": failure(err)}) from None
+            raise coordination_failed("commit", cid, {"gym-manifest": failure(err)}) from None
         manifest_s = time.monotonic() - m_start
         self._record(
             JournalEntry(
@@ -367,8 +268,8 @@ class PhaseDriver:
         for group in resume_groups(self._members()):
             out = await self._group(group, "resume", body, deadline_ts)
             failures.update({k: failure(e) for k, e in out.errors.items()})
-        failures.update(await self._unpause(cid))
-        self._stop_renewer()
+        failures.update(await self.pauses.unpause(cid))
+        self.renewer.stop()
         self._record(None)
         for key, why in failures.items():
             log.warning("resume of %s at %s failed (its lease will lapse): %s", cid, key, why)
@@ -378,21 +279,7 @@ class PhaseDriver:
         await self.resume_everyone(cid)
 
     async def aclose(self) -> None:
-        self._stop_renewer()
+        self.renewer.stop()
         for host in list(self.hosts.values()):
             with contextlib.suppress(Exception):
                 await host.aclose()
-
-
-def _episode(e: EpisodeId | Mapping[str, Any]) -> dict[str, Any]:
-    if isinstance(e, EpisodeId):
-        return {"rollout_id": e.rollout_id, "attempt": e.attempt}
-    return dict(e)
-
-
-def _failed(op: str, cid: str, failures: dict[str, dict[str, Any]]) -> CoordinationFailed:
-    names = ", ".join(
-        f"{k} ({v['code']}" + (f"; blockers {v['blockers']}" if v.get("blockers") else "") + ")"
-        for k, v in sorted(failures.items())
-    )
-    return CoordinationFailed(f"{op} of {cid} failed at {names}", operation=op, failures=failures)

@@ -1,0 +1,34 @@
+"""The Gym-manifest hooks: written last at commit, read first at restore.
+
+These are the coordinator's only touch points with `ray_ckpt.storage`; the
+driver and the core take them as injectable callables so unit tests can run
+without writing checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+ManifestWriter = Callable[[str, str, list[dict[str, Any]]], Any]
+# checkpoint dir → (source checkpoint ID, {(kind, instance)} listed in its Gym manifest)
+ManifestReader = Callable[[str], tuple[str | None, set[tuple[str, str]]]]
+
+
+def write_gym_manifest_from_replies(
+    checkpoint_dir: str, checkpoint_id: str, manifests: list[dict[str, Any]]
+) -> Any:
+    """The real writer: participant manifests from commit replies → Gym manifest."""
+    import msgspec
+
+    from ray_ckpt.storage import ParticipantManifest, write_gym_manifest
+
+    parsed = [msgspec.convert(m, ParticipantManifest) for m in manifests]
+    return write_gym_manifest(checkpoint_dir, checkpoint_id=checkpoint_id, manifests=parsed)
+
+
+def read_listed(checkpoint_dir: str) -> tuple[str | None, set[tuple[str, str]]]:
+    from ray_ckpt.storage import read_gym_manifest
+
+    gym = read_gym_manifest(checkpoint_dir)
+    return gym.checkpoint_id, {(e.kind, e.instance) for e in gym.participants}

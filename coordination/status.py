@@ -1,0 +1,56 @@
+"""Status rows: each participant's reply to a status call, as a `ParticipantStatus`.
+
+`participant_rows` asks every host at once and waits at most `timeout_s`; a
+host that does not answer in time, or fails, still gets a row saying so, so
+one stuck participant never hides the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import Any
+
+from coordination.hosts import Host
+from coordination.results import ParticipantStatus
+
+
+async def participant_rows(hosts: Iterable[Host], timeout_s: float) -> list[ParticipantStatus]:
+    """One row per host, in member order."""
+    ordered = sorted(hosts, key=lambda h: h.member)
+    tasks = [asyncio.ensure_future(h.status()) for h in ordered]
+    if tasks:
+        _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.wait(pending)
+    return [status_row(h, t) for h, t in zip(ordered, tasks, strict=True)]
+
+
+def status_row(host: Host, task: asyncio.Future[dict[str, Any]]) -> ParticipantStatus:
+    m = host.member
+    transport = host.describe().get("transport", "?")
+    if task.cancelled():
+        return ParticipantStatus(
+            participant=m.key, kind=m.kind, transport=transport, error="no reply"
+        )
+    exc = task.exception()
+    if exc is not None:
+        return ParticipantStatus(
+            participant=m.key, kind=m.kind, transport=transport, error=str(exc)[:200]
+        )
+    s = task.result()
+    report = s.get("report") or {}
+    return ParticipantStatus(
+        participant=m.key,
+        kind=m.kind,
+        transport=transport,
+        phase=s.get("phase"),
+        checkpoint_id=s.get("checkpoint_id"),
+        lease_expires_at=s.get("lease_expires_at"),
+        live_executions=s.get("live_executions"),
+        retired_rollouts=s.get("retired_rollouts"),
+        blockers=[str(b.get("key")) for b in report.get("blockers", [])],
+        blocker_count=int(report.get("blocker_count", 0)),
+    )
