@@ -27,7 +27,7 @@ from aiohttp import web
 from ray_ckpt.control.routes import ASGIApp
 from ray_ckpt.control.wire import PrepareReport
 from ray_ckpt.errors import AdmissionClosed, CheckpointError
-from ray_ckpt.hosting.spec import bind_socket, serve_app, socket_address
+from ray_ckpt.hosting.serving import bind_socket, serve_app, socket_address
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.storage.record import Record

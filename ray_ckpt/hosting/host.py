@@ -39,17 +39,19 @@ from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.control.routes import ASGIApp, ControlASGIMiddleware, maybe_install_control_routes
 from ray_ckpt.control.wire import OPERATIONS
 from ray_ckpt.errors import CheckpointError, NotFound, ParticipantUnavailable
-from ray_ckpt.hosting.spec import (
+from ray_ckpt.hosting.serving import (
     DEFAULT_DRAIN_S,
+    Serving,
+    bind_socket,
+    serve_app,
+    socket_address,
+)
+from ray_ckpt.hosting.spec import (
     GymServer,
     NamedControlOps,
     ServerSpec,
-    Serving,
-    bind_socket,
     current_node_id,
     load_server,
-    serve_app,
-    socket_address,
 )
 
 log = logging.getLogger(__name__)

@@ -14,16 +14,34 @@ from __future__ import annotations
 import asyncio
 import math
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from ray_ckpt.clock import Clock
 from ray_ckpt.errors import InvalidPhase, InvalidRequest
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.steps.modes import EpisodeState, EpisodeTimeout, StepMode, StepModeLike, step_mode
 
-if TYPE_CHECKING:
-    from ray_ckpt.steps.table import EpisodeSteps
-
 _UNSET: Any = object()
+
+
+class StepOwner(Protocol):
+    """What an episode needs from the table that owns it (`EpisodeSteps`).
+
+    A protocol, so this module owns the episode types and the table depends
+    on them, never the other way round.
+    """
+
+    clock: Clock
+
+    async def _enter_step(self, ep: Episode, step: Step) -> None: ...
+
+    async def _exit_step(self, ep: Episode, step: Step, *, error: BaseException | None) -> None: ...
+
+    async def _park(self, ep: Episode) -> None: ...
+
+    def _mark_restart(self, ep: Episode) -> None: ...
+
+    def _free(self, ep: Episode) -> None: ...
 
 
 class Restored:
@@ -75,7 +93,7 @@ class Episode:
 
     def __init__(
         self,
-        steps: EpisodeSteps,
+        steps: StepOwner,
         episode_id: EpisodeId,
         *,
         deadline_s: float | None,

@@ -21,6 +21,7 @@ from ray_ckpt.control.retire_marks import retire_scope
 from ray_ckpt.control.wire import MAX_REPORTED_BLOCKERS, PrepareReport
 from ray_ckpt.errors import AdmissionClosed, InvalidPhase, InvalidRequest, StaleAttempt
 from ray_ckpt.identity import EpisodeId
+from ray_ckpt.steps.attempts import AttemptIndex
 from ray_ckpt.steps.episode import _UNSET, Episode, Restored, Step
 from ray_ckpt.steps.modes import BLOCKING, EpisodeState, StepMode
 from ray_ckpt.steps.persist import build_report, export_records, stage_records
@@ -39,9 +40,7 @@ class EpisodeSteps:
         self._live: dict[EpisodeId, Episode] = {}
         self._restored: dict[EpisodeId, Restored] = {}  # by the replacement attempt
         self._counts: Counter[EpisodeState] = Counter()
-        # Live and restored attempts per rollout: begin checks supersession
-        # without scanning every episode.
-        self._attempts: dict[str, Counter[int]] = {}
+        self._attempts = AttemptIndex()  # live and restored, for supersession
         self._open = True
         self._opened = asyncio.Event()
         self._opened.set()
@@ -131,7 +130,7 @@ class EpisodeSteps:
         self._served = True
         self._live[episode_id] = ep
         if restored is None:  # a replacement takes over its restored entry's slot
-            self._index(episode_id, +1)
+            self._attempts.add(episode_id)
         self._counts[ep.state] += 1
         self._changed()
         return ep
@@ -142,17 +141,9 @@ class EpisodeSteps:
             if current.retire_requested:
                 raise StaleAttempt(f"episode {episode_id} is being retired")
             raise InvalidRequest(f"episode {episode_id} is already live")
-        newest = max(self._attempts.get(episode_id.rollout_id, ()), default=-1)
+        newest = self._attempts.newest(episode_id.rollout_id)
         if newest > episode_id.attempt:
             raise StaleAttempt(f"episode {episode_id}: attempt {newest} supersedes it")
-
-    def _index(self, eid: EpisodeId, delta: int) -> None:
-        attempts = self._attempts.setdefault(eid.rollout_id, Counter())
-        attempts[eid.attempt] += delta
-        if attempts[eid.attempt] <= 0:
-            del attempts[eid.attempt]
-        if not attempts:
-            del self._attempts[eid.rollout_id]
 
     def claim(self, episode_id: EpisodeId) -> Any:
         """Hand a restored boundary to the replacement attempt, exactly once."""
@@ -253,7 +244,7 @@ class EpisodeSteps:
         staged = stage_records(records, {eid.rollout_id for eid in self._restored})
         self._restored.update(staged)
         for eid in staged:
-            self._index(eid, +1)
+            self._attempts.add(eid)
         self._changed()
         return list(staged)
 
@@ -263,7 +254,7 @@ class EpisodeSteps:
         freed = [eid for eid in self._restored if eid not in kept]
         for eid in freed:
             del self._restored[eid]
-            self._index(eid, -1)
+            self._attempts.remove(eid)
         if freed:
             self._changed()
         return sorted(eid.capture_key for eid in freed)
@@ -288,7 +279,7 @@ class EpisodeSteps:
         keys: set[str] = set()
         for eid in [eid for eid in self._restored if covered(eid)]:
             del self._restored[eid]
-            self._index(eid, -1)
+            self._attempts.remove(eid)
             keys.add(eid.capture_key)
         me = asyncio.current_task()
         stopping: set[asyncio.Task[Any]] = set()
@@ -344,7 +335,7 @@ class EpisodeSteps:
         ep.closed = True
         if self._live.get(ep.id) is ep:
             del self._live[ep.id]
-            self._index(ep.id, -1)
+            self._attempts.remove(ep.id)
             self._counts[ep.state] -= 1
         self._changed()
 
