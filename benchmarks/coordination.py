@@ -38,7 +38,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from ray_ckpt.hosting.spec import NamedControlOps  # noqa: E402  (after the sys.path fix)
 
-KINDS = ("environment", "policy_model", "agent", "resources")
+KINDS = ("environment", "model", "agent", "resources")
 
 
 class EmptyParticipant:

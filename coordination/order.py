@@ -19,14 +19,14 @@ from ray_ckpt.errors import InvalidRequest
 
 PREPARE_STAGES: tuple[tuple[str, ...], ...] = (
     ("environment",),
-    ("policy_model",),
+    ("model",),
     ("agent",),
     ("resources",),
 )
 RETIRE_STAGES: tuple[tuple[str, ...], ...] = (
     ("environment",),
     ("agent",),
-    ("policy_model", "resources"),
+    ("model", "resources"),
 )
 
 
@@ -69,7 +69,7 @@ def _staged(members: Iterable[Member], stages: Sequence[tuple[str, ...]]) -> Gro
 
 
 def prepare_groups(members: Iterable[Member]) -> Groups:
-    """environment → policy_model → agent → resources; empty stages skipped."""
+    """environment → model → agent → resources; empty stages skipped."""
     return _staged(members, PREPARE_STAGES)
 
 
@@ -88,7 +88,7 @@ restore_groups = commit_groups
 
 
 def retire_groups(members: Iterable[Member]) -> Groups:
-    """environment → agent → (policy_model, resources): callers before callees."""
+    """environment → agent → (model, resources): callers before callees."""
     return _staged(members, RETIRE_STAGES)
 
 

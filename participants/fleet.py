@@ -2,9 +2,9 @@
 
 ```python
 config = FleetConfig(namespace="demo", token="secret", step_delay_s=0.05)
-fleet = await launch_fleet(config)        # environment, policy_model, agent, resources
+fleet = await launch_fleet(config)        # environment, model, agent, resources
 fleet.urls["environment"]                 # POST /run here (participants.rollout)
-fleet.hosts["policy_model"].prepare.remote({...})   # control, in KIND_ORDER
+fleet.hosts["model"].prepare.remote({...})   # control, in KIND_ORDER
 fleet.kill()                              # a crash: ray.kill every host
 fleet = await launch_fleet(config)        # fresh hosts, same names; restore them
 await fleet.stop()                        # graceful
@@ -28,12 +28,12 @@ from ray_ckpt.hosting.spec import ServerSpec, actor_name, settings_dict
 from ray_ckpt.settings import CheckpointSettings
 
 # Prepare order (callers first); resume runs it in reverse.
-KIND_ORDER = ("environment", "policy_model", "agent", "resources")
+KIND_ORDER = ("environment", "model", "agent", "resources")
 # Start order: every server's callees are up before it.
-START_ORDER = ("policy_model", "resources", "agent", "environment")
+START_ORDER = ("model", "resources", "agent", "environment")
 FACTORIES = {
     "environment": "participants.servers.environment:environment_server",
-    "policy_model": "participants.servers.model:model_server",
+    "model": "participants.servers.model:model_server",
     "agent": "participants.servers.agent:agent_server",
     "resources": "participants.servers.resources:resources_server",
 }
@@ -72,7 +72,7 @@ def factory_options(
 ) -> tuple[str, dict[str, Any]]:
     """The factory and its options for `kind`, given the URLs started so far."""
     options: dict[str, Any]
-    if kind == "policy_model":
+    if kind == "model":
         options = {
             "seed": config.model_seed,
             "tokens_per_turn": config.tokens_per_turn,
@@ -87,7 +87,7 @@ def factory_options(
         }
     elif kind == "agent":
         options = {
-            "model_url": urls["policy_model"],
+            "model_url": urls["model"],
             "resources_url": urls["resources"],
             "turns_per_step": config.turns_per_step,
             "tokens_per_turn": config.tokens_per_turn,

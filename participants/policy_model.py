@@ -68,7 +68,7 @@ class Call:
 
 
 class PolicyModelParticipant:
-    kind = "policy_model"
+    kind = "model"
 
     def __init__(self) -> None:
         self.calls: dict[int, Call] = {}

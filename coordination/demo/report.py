@@ -68,13 +68,13 @@ class DemoReport:
             r for r, res in rollouts.results.items() if result_digest(res) != expected.get(r)
         )
         self.equal = not self.lost and not self.different and len(expected) == self.rollouts
-        self.tokens_baseline = int(base.get("policy_model", {}).get("tokens_generated", 0))
+        self.tokens_baseline = int(base.get("model", {}).get("tokens_generated", 0))
         self.tokens_generated = sum(
-            int(s.get("policy_model", {}).get("tokens_generated", 0)) for s in (before, after)
+            int(s.get("model", {}).get("tokens_generated", 0)) for s in (before, after)
         )
-        self.tokens_continued = int(after.get("policy_model", {}).get("tokens_continued", 0))
+        self.tokens_continued = int(after.get("model", {}).get("tokens_continued", 0))
         for stats in (before, after):
-            for k, v in (stats.get("policy_model", {}).get("counts") or {}).items():
+            for k, v in (stats.get("model", {}).get("counts") or {}).items():
                 self.model_counts[k] = self.model_counts.get(k, 0) + int(v)
 
     @property

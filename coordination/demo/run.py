@@ -75,7 +75,7 @@ async def _wait_for_mixed_work(fleet: Any, rollouts: Rollouts, timeout_s: float)
         stats = await fleet_stats(fleet)
         routes = stats["resources"].get("inflight_by_route", {})
         seen = {
-            "generating": int(stats["policy_model"].get("generating", 0)),
+            "generating": int(stats["model"].get("generating", 0)),
             "tool_calls": sum(v for k, v in routes.items() if k not in ("verify", "seed_session")),
             "verifying": int(routes.get("verify", 0)),
             "episodes": int(stats["environment"].get("live_episodes", 0)),

@@ -83,7 +83,7 @@ def function_call(tokens: list[int], tools: list[dict[str, Any]], conversation: 
 
 
 class ModelServer(ServerBase):
-    kind = "policy_model"
+    kind = "model"
 
     def __init__(
         self, name: str, *, seed: int = 0, tokens_per_turn: int = 8, token_delay_s: float = 0.0

@@ -17,7 +17,7 @@ from ray_ckpt.control.wire import PrepareReport
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage.record import Record
 
-KINDS = ("environment", "policy_model", "agent", "resources")
+KINDS = ("environment", "model", "agent", "resources")
 
 
 @runtime_checkable

@@ -217,7 +217,7 @@ async def host_phases(fleet: Fleet) -> dict[str, str]:
 
 def held(stats: dict[str, dict[str, Any]]) -> dict[str, int]:
     """What the servers still hold for episodes (all zero when clean)."""
-    env, model = stats["environment"], stats["policy_model"]
+    env, model = stats["environment"], stats["model"]
     return {
         "env_live": env["live_episodes"],
         "env_restored": env["restored_episodes"],

@@ -190,7 +190,7 @@ class LocalGym(Gym):
             fleet.servers[kind] = await start_local_server(
                 kind, factory, self.config.server_name(kind), self.config, drain_s=0.01, **options
             )
-        self.tokens.attach(fleet.server("policy_model"))
+        self.tokens.attach(fleet.server("model"))
         self.hosts = []
         for kind, controller in fleet.controllers.items():
             host = FakeHost(Member(kind, self.config.server_name(kind)), controller)
@@ -207,7 +207,7 @@ class LocalGym(Gym):
         fleet, self.fleet = self.fleet, None
         assert fleet is not None
         await fleet.stop()
-        model = fleet.server("policy_model").participant
+        model = fleet.server("model").participant
 
         async def dropped() -> bool:
             return not model.calls
@@ -365,8 +365,8 @@ def work(stats: Stats) -> dict[str, int]:
     """The work one fleet did, from its `/stats`."""
     agent = stats["agent"]
     return {
-        "tokens": int(stats["policy_model"]["tokens_generated"]),
-        "continued": int(stats["policy_model"]["tokens_continued"]),
+        "tokens": int(stats["model"]["tokens_generated"]),
+        "continued": int(stats["model"]["tokens_continued"]),
         "turns": int(agent["model_calls"]) - int(agent["model_refusals"]),
         "tools": int(agent["tool_calls"]),
         "verifications": int(stats["resources"]["verifications"]),
@@ -424,7 +424,7 @@ async def stats_until(
 
 def generating(stats: Stats, *, below: int) -> bool:
     """Some generation is past its first token and short of `below` tokens."""
-    return any(1 <= n < below for n in stats["policy_model"]["in_flight_tokens"])
+    return any(1 <= n < below for n in stats["model"]["in_flight_tokens"])
 
 
 def tool_in_flight(stats: Stats) -> bool:

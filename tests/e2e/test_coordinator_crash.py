@@ -39,7 +39,7 @@ PREPARE_S = 1.5
 
 
 def mid_flight(stats: dict[str, dict[str, Any]]) -> bool:
-    return stats["environment"]["live_episodes"] >= 2 and bool(stats["policy_model"]["generating"])
+    return stats["environment"]["live_episodes"] >= 2 and bool(stats["model"]["generating"])
 
 
 async def phases(fleet: Fleet) -> set[str]:
@@ -61,7 +61,7 @@ async def test_coordinator_killed_mid_checkpoint_leases_lapse_and_a_new_one_take
         await stats_until(fleet, mid_flight, "rollouts mid-generation")
         prepared = await gym.aprepare(deadline_s=PREPARE_S)
         assert await phases(fleet) == {"prepared"}
-        tokens = (await fleet_stats(fleet))["policy_model"]["tokens_generated"]
+        tokens = (await fleet_stats(fleet))["model"]["tokens_generated"]
 
         ray.kill(gym.actor, no_restart=True)
         killed = time.monotonic()
@@ -75,7 +75,7 @@ async def test_coordinator_killed_mid_checkpoint_leases_lapse_and_a_new_one_take
         assert lapsed_s < PREPARE_S + LEASE_S + 5, lapsed_s
         await stats_until(
             fleet,
-            lambda s: s["policy_model"]["tokens_generated"] > tokens,
+            lambda s: s["model"]["tokens_generated"] > tokens,
             "rollouts to carry on after the lapse",
         )
 

@@ -32,7 +32,7 @@ N, STEPS, SEED = 3, 2, 21
 def mid_flight(stats: dict[str, dict[str, Any]]) -> bool:
     """A generation early enough that the checkpoint surely cuts it (at most 3
     of its 8 tokens: 150 ms of generation left), and more than one rollout live."""
-    early = any(t <= 3 for t in stats["policy_model"]["in_flight_tokens"])
+    early = any(t <= 3 for t in stats["model"]["in_flight_tokens"])
     return early and stats["environment"]["live_episodes"] >= 2
 
 
@@ -79,7 +79,7 @@ async def test_crash_after_commit_restores_and_continues(e2e: E2E, how: str) -> 
         committed = await gym.acommit(ckpt, scope)
         assert verify_checkpoint(ckpt).ok
         before = await fleet_stats(fleet)
-        assert before["policy_model"]["counts"].get("cut", 0) >= 1, "a generation was cut"
+        assert before["model"]["counts"].get("cut", 0) >= 1, "a generation was cut"
 
         started = time.monotonic()
         if how == "sigkill":
@@ -105,7 +105,7 @@ async def test_crash_after_commit_restores_and_continues(e2e: E2E, how: str) -> 
         assert tally.attempt[rollout] == 1
     after = await fleet_stats(fresh)
     # Cut work continued on the new fleet instead of being generated again.
-    assert after["policy_model"]["counts"].get("calls_continued", 0) >= 1
+    assert after["model"]["counts"].get("calls_continued", 0) >= 1
     assert after["environment"].get("failures", 0) == 0
     await assert_clean(fresh)
     assert recovered_s < 60

@@ -36,7 +36,7 @@ def state_held(stats: dict[str, dict[str, Any]]) -> dict[str, int]:
         "env_restored": stats["environment"]["restored_episodes"],
         "agent_sessions": stats["agent"]["sessions"],
         "resources_sessions": stats["resources"]["sessions"],
-        "model_ledgers": stats["policy_model"]["ledgers"],
+        "model_ledgers": stats["model"]["ledgers"],
     }
 
 

@@ -88,14 +88,14 @@ async def test_two_checkpoints_in_a_row_and_a_restore_of_the_older(e2e: E2E) -> 
             rollouts.start(session, fleet.urls["environment"], r, delay_s=0.15 * i)
         first = await stats_until(
             fleet,
-            lambda s: s["environment"]["live_episodes"] == n and s["policy_model"]["generating"],
+            lambda s: s["environment"]["live_episodes"] == n and s["model"]["generating"],
             "every rollout running, a generation in flight",
         )
         one = await gym.acheckpoint(c1, rollouts.unfinished())
-        tokens = first["policy_model"]["tokens_generated"]
+        tokens = first["model"]["tokens_generated"]
         await stats_until(
             fleet,
-            lambda s: s["policy_model"]["tokens_generated"] >= tokens + 12,
+            lambda s: s["model"]["tokens_generated"] >= tokens + 12,
             "progress after the first checkpoint",
         )
         two = await gym.acheckpoint(c2, rollouts.unfinished())

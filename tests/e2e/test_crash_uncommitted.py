@@ -38,7 +38,7 @@ N, STEPS, SEED = 3, 2, 33
 
 
 def generating(stats: dict[str, dict[str, Any]]) -> bool:
-    return bool(stats["policy_model"]["generating"])
+    return bool(stats["model"]["generating"])
 
 
 async def checkpoint(gym: CoordinatorHandle, rollouts: Rollouts, ckpt: str) -> list[EpisodeId]:
@@ -144,19 +144,19 @@ async def test_a_torn_commit_is_refused_as_a_whole_and_the_previous_checkpoint_r
             rollouts.start(session, fleet.urls["environment"], r, delay_s=0.15 * i)
         first = await stats_until(fleet, generating, "a generation in flight")
         await checkpoint(gym, rollouts, c1)
-        tokens = first["policy_model"]["tokens_generated"]
+        tokens = first["model"]["tokens_generated"]
         await stats_until(
             fleet,
-            lambda s: generating(s) and s["policy_model"]["tokens_generated"] >= tokens + 12,
+            lambda s: generating(s) and s["model"]["tokens_generated"] >= tokens + 12,
             "more tokens generated after the first checkpoint",
         )
         await gym.aprepare()
         await gym.acommit(c2, rollouts.unfinished())
         assert verify_checkpoint(c2).ok
-        torn = tear(c2, "policy_model")
+        torn = tear(c2, "model")
         report = verify_checkpoint(c2)
         assert not report.ok
-        assert [c.kind for c in report.participants if not c.ok] == ["policy_model"]
+        assert [c.kind for c in report.participants if not c.ok] == ["model"]
 
         await crash(fleet, rollouts)
         await gym.aresume()
@@ -165,8 +165,8 @@ async def test_a_torn_commit_is_refused_as_a_whole_and_the_previous_checkpoint_r
         second = await e2e.launch(config)
         with pytest.raises(CoordinationFailed) as info:
             await gym.arestore(c2, scope)
-        assert set(info.value.failures) == {fleet.names["policy_model"]}, info.value.failures
-        assert info.value.failures[fleet.names["policy_model"]]["code"] == (
+        assert set(info.value.failures) == {fleet.names["model"]}, info.value.failures
+        assert info.value.failures[fleet.names["model"]]["code"] == (
             "invalid_checkpoint_state"
         )
         # All or nothing: what the other participants installed was undone.

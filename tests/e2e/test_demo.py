@@ -35,7 +35,7 @@ async def test_demo_continues_every_rollout_and_equals_the_uninterrupted_run(
     assert summary["bytes"] > 0 and summary["checkpoint_s"] > 0 and summary["restore_s"] > 0
     assert set(report.per_participant) == {
         "environment/ref-environment",
-        "policy_model/ref-policy-model",
+        "model/ref-model",
         "agent/ref-agent",
         "resources/ref-resources",
     }

@@ -66,7 +66,7 @@ async def test_a_crash_costs_every_episode_at_most_its_generation_in_flight_what
             for r in rollouts.tasks:
                 delay = 0.09 * (max(LENGTHS) - steps[r])
                 rollouts.start(session, gym.env_url, r, delay_s=delay)
-            model = gym.server("policy_model").participant
+            model = gym.server("model").participant
 
             async def every_episode_called() -> bool:
                 called = {e.rollout_id for e in model.ledger}

@@ -147,7 +147,7 @@ async def test_restoring_the_same_checkpoint_twice_leaves_the_dead_run_out_of_th
         assert env_keys(await gym.commit(str(c1), scope)) == ["r0", "r1", "r2"]
 
         await crash_restore(gym, rollouts, str(c1), scope)
-        restored_rows = (await gym.stats())["policy_model"]["ledger_entries"]
+        restored_rows = (await gym.stats())["model"]["ledger_entries"]
         for e in scope:
             rollouts.start(session, gym.env_url, e.rollout_id, attempt=1)
         # The replacement makes calls and tool moves of its own, then dies unsaved.
@@ -155,7 +155,7 @@ async def test_restoring_the_same_checkpoint_twice_leaves_the_dead_run_out_of_th
             gym,
             lambda s: (
                 s["agent"]["tool_calls"] >= 3
-                and s["policy_model"]["ledger_entries"] > restored_rows
+                and s["model"]["ledger_entries"] > restored_rows
             ),
             "the replacements to make progress",
         )
@@ -168,7 +168,7 @@ async def test_restoring_the_same_checkpoint_twice_leaves_the_dead_run_out_of_th
         assert env_keys(again) == ["r0-a1", "r1-a1", "r2-a1"]
         fresh = await gym.stats()
         # Only what the checkpoint held: none of the dead replacement's calls.
-        assert fresh["policy_model"]["ledger_entries"] == restored_rows
+        assert fresh["model"]["ledger_entries"] == restored_rows
         assert fresh["agent"]["tool_calls"] == 0
         for e in scope:
             rollouts.start(session, gym.env_url, e.rollout_id, attempt=1)

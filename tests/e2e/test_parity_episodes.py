@@ -90,7 +90,7 @@ async def test_an_episode_finishing_during_prepare_is_neither_lost_nor_redone(
         assert end["resources"]["verifications"] == 0
         assert end["resources"]["calls"] == {"close_session": 1}
         assert end["agent"]["activations"] == 0
-        assert end["policy_model"]["tokens_generated"] == 0
+        assert end["model"]["tokens_generated"] == 0
     else:
         assert end["resources"]["verifications"] == 1
         assert end["environment"]["verifications"] == 1
@@ -124,7 +124,7 @@ async def test_a_retired_episode_stops_everywhere_and_leaves_nothing_behind(
         for kind in before:
             assert after[kind]["calls"] == before[kind]["calls"], kind
         assert (
-            after["policy_model"]["tokens_generated"] == before["policy_model"]["tokens_generated"]
+            after["model"]["tokens_generated"] == before["model"]["tokens_generated"]
         )
         await assert_idle_and_empty(gym, retired_rollouts=1)
 
@@ -132,7 +132,7 @@ async def test_a_retired_episode_stops_everywhere_and_leaves_nothing_behind(
         with pytest.raises(StaleAttempt):
             await run_episode(session, gym.env_url, EpisodeId("r0"), task)
         async with session.post(
-            gym.urls["policy_model"] + "/ng-rollout/r0/v1/responses",
+            gym.urls["model"] + "/ng-rollout/r0/v1/responses",
             data=orjson.dumps({"input": [{"role": "user", "content": "late"}]}),
         ) as resp:
             assert resp.status == 409

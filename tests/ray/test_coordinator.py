@@ -20,7 +20,7 @@ pytestmark = pytest.mark.ray
 FLEET = (
     "environment/env-a",
     "environment/env-b",
-    "policy_model/policy",
+    "model/policy",
     "agent/agent",
     "resources/res",
 )
@@ -56,15 +56,15 @@ def test_checkpoint_order_parallel_groups_pause_and_restore(
     prep = {k: calls(h, "prepare")[0] for k, h in hosts.items()}
     # Groups in order: every environment answered before the policy was called, ...
     env_end = max(prep[k][2] for k in FLEET[:2])
-    assert env_end <= prep["policy_model/policy"][1]
-    assert prep["policy_model/policy"][2] <= prep["agent/agent"][1]
+    assert env_end <= prep["model/policy"][1]
+    assert prep["model/policy"][2] <= prep["agent/agent"][1]
     assert prep["agent/agent"][2] <= prep["resources/res"][1]
     # ... and the two environments ran together: the group took ~0.4 s, not 0.8 s.
     env_span = env_end - min(prep[k][1] for k in FLEET[:2])
     assert env_span < 0.7
     res = {k: calls(h, "resume")[0] for k, h in hosts.items()}
     assert res["resources/res"][2] <= res["agent/agent"][1]
-    assert res["policy_model/policy"][2] <= min(res[k][1] for k in FLEET[:2])
+    assert res["model/policy"][2] <= min(res[k][1] for k in FLEET[:2])
     # Trainer and assembler paused before the first prepare, resumed after the last resume.
     first_prepare = min(c[1] for c in prep.values())
     last_resume = max(c[2] for c in res.values())
@@ -136,7 +136,7 @@ def test_a_straggler_is_cancelled_and_a_dead_host_is_named(
 def test_coordinator_killed_mid_checkpoint_leases_lapse_and_a_new_one_takes_over(
     namespace: str, tmp_path: pathlib.Path
 ) -> None:
-    keys = ("environment/env", "policy_model/p", "agent/a")
+    keys = ("environment/env", "model/p", "agent/a")
     hosts = {k: start_host(namespace, k, lease_grace_s=1.0) for k in keys}
     ray.get([h.status.remote() for h in hosts.values()])
     gym = connect(namespace=namespace, state_dir=str(tmp_path / "a"), name="coord-a")

@@ -58,7 +58,7 @@ async def test_a_killed_fleet_restores_and_continues_to_the_uninterrupted_result
     try:
         assert fleet.names == {
             "environment": "environment/ref-environment-t",
-            "policy_model": "policy_model/ref-policy-model-t",
+            "model": "model/ref-model-t",
             "agent": "agent/ref-agent-t",
             "resources": "resources/ref-resources-t",
         }
@@ -78,7 +78,7 @@ async def test_a_killed_fleet_restores_and_continues_to_the_uninterrupted_result
             runs = [asyncio.create_task(staggered(i)) for i in range(len(TASKS))]
             async with asyncio.timeout(20):
                 while True:
-                    model = await stats(http, fleet, "policy_model")
+                    model = await stats(http, fleet, "model")
                     resources = await stats(http, fleet, "resources")
                     tools = resources["inflight_by_route"]
                     # A generation well short of its 6 tokens, so the cut has a prefix.
@@ -95,7 +95,7 @@ async def test_a_killed_fleet_restores_and_continues_to_the_uninterrupted_result
             assert all(r["phase"] == "committed" for r in replies)
             assert sorted(replies[0]["episode_ids"]) == ["r0", "r1", "r2"]  # environment
 
-            assert (await stats(http, fleet, "policy_model"))["counts"]["cut"] >= 1
+            assert (await stats(http, fleet, "model"))["counts"]["cut"] >= 1
             fleet.kill()
             results = await asyncio.gather(*runs, return_exceptions=True)
             assert all(isinstance(r, BaseException) for r in results)
@@ -120,15 +120,15 @@ async def test_a_killed_fleet_restores_and_continues_to_the_uninterrupted_result
                 assert result_digest(reply["result"]) == result_digest(want)
 
             # Work cut before the crash was continued, not redone from scratch.
-            model = await stats(http, new, "policy_model")
+            model = await stats(http, new, "model")
             agent = await stats(http, new, "agent")
             assert model["counts"].get("calls_continued", 0) >= 1
             assert agent["tool_calls"] < 3 * 4
 
             retire = body("ret", episode_ids=ids([e.next() for e in episodes]))
-            for group in (("environment",), ("agent",), ("policy_model", "resources")):
+            for group in (("environment",), ("agent",), ("model", "resources")):
                 await asyncio.gather(*(new.hosts[k].retire.remote(retire) for k in group))
-            model = await stats(http, new, "policy_model")
+            model = await stats(http, new, "model")
             assert (model["live_calls"], model["ledgers"], model["restored_cuts"]) == (0, 0, 0)
             assert (await stats(http, new, "agent"))["sessions"] == 0
             assert (await stats(http, new, "resources"))["sessions"] == 0

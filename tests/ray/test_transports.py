@@ -40,7 +40,7 @@ async def test_three_transports_one_checkpoint(namespace: str, tmp_path: Path) -
     # Sidecar: the Gym server is its own OS process; its host forwards control calls.
     env = {**os.environ, SETTINGS_ENV: json.dumps(SETTINGS)}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.servers", "--kind", "policy_model",
+        sys.executable, "-m", "tests.servers", "--kind", "model",
         "--name", "side", stdout=asyncio.subprocess.PIPE, env=env,
     )  # fmt: skip
     hosts = []
@@ -50,7 +50,7 @@ async def test_three_transports_one_checkpoint(namespace: str, tmp_path: Path) -
         side_url = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().split()[1]
         hosts.append(
             start_host(
-                ServerSpec(kind="policy_model", name="side", url=side_url, settings=SETTINGS),
+                ServerSpec(kind="model", name="side", url=side_url, settings=SETTINGS),
                 namespace=namespace,
             )
         )
@@ -86,12 +86,12 @@ async def test_three_transports_one_checkpoint(namespace: str, tmp_path: Path) -
         await put(urls["far"], "s1", {"board": "x.o"})
 
         gym = connect(namespace=namespace, state_dir=str(tmp_path / "coord"))
-        assert sorted(gym.discover()) == ["environment/hosted", "policy_model/side"]
+        assert sorted(gym.discover()) == ["environment/hosted", "model/side"]
         gym.register_http("resources", "far", urls["far"], TOKEN)
         transports = {p.participant: p.transport for p in gym.status().participants}
         assert transports == {
             "environment/hosted": "ray",
-            "policy_model/side": "ray",
+            "model/side": "ray",
             "resources/far": "http",
         }
 
@@ -99,11 +99,11 @@ async def test_three_transports_one_checkpoint(namespace: str, tmp_path: Path) -
         result = await gym.acheckpoint(str(ckpt))
         assert result.episode_ids == {
             "environment/hosted": ["e1"],
-            "policy_model/side": ["m1"],
+            "model/side": ["m1"],
             "resources/far": ["s1"],
         }
         listed = {(e.kind, e.instance) for e in read_gym_manifest(ckpt).participants}
-        assert listed == {("environment", "hosted"), ("policy_model", "side"), ("resources", "far")}
+        assert listed == {("environment", "hosted"), ("model", "side"), ("resources", "far")}
         assert inspect_checkpoint(ckpt).ok
         # Every participant, whatever its transport, was resumed.
         for p in gym.status().participants:

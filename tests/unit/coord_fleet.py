@@ -29,7 +29,7 @@ FAST = Timeouts(
     reply_grace_s=0.3,
     cleanup_min_s=2.0,
 )
-DEFAULT_MEMBERS = ("environment/env", "policy_model/policy", "agent/agent", "resources/res")
+DEFAULT_MEMBERS = ("environment/env", "model/policy", "agent/agent", "resources/res")
 
 
 @dataclass

@@ -26,7 +26,7 @@ from ray_ckpt.identity import EpisodeId
 from ray_ckpt.settings import CheckpointSettings
 from tests.unit.coord_fleet import FAST, Fleet, make_fleet
 
-ORDER = ["environment/env", "policy_model/policy", "agent/agent", "resources/res"]
+ORDER = ["environment/env", "model/policy", "agent/agent", "resources/res"]
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ async def test_checkpoint_prepares_in_order_commits_everywhere_resumes_in_revers
     assert sorted(m["kind"] for m in manifests) == [
         "agent",
         "environment",
-        "policy_model",
+        "model",
         "resources",
     ]
 
@@ -105,11 +105,11 @@ async def test_an_unready_participant_fails_prepare_naming_its_blockers(fleet: F
 
 
 async def test_a_participant_that_never_answers_is_cancelled_and_named(fleet: Fleet) -> None:
-    fleet.hosts["policy_model/policy"].hang.add("prepare")
+    fleet.hosts["model/policy"].hang.add("prepare")
     with pytest.raises(CoordinationFailed) as info:
         await fleet.core.checkpoint("/ck")
-    assert info.value.failures["policy_model/policy"]["code"] == "deadline_exceeded"
-    assert fleet.events("prepare", "cancelled") == ["policy_model/policy"]
+    assert info.value.failures["model/policy"]["code"] == "deadline_exceeded"
+    assert fleet.events("prepare", "cancelled") == ["model/policy"]
     assert fleet.events("prepare") == ORDER[:2]
     assert set(fleet.phases().values()) == {"idle"}
 
@@ -219,7 +219,7 @@ async def test_split_calls_keep_the_checkpoint_open_and_refuse_retire(fleet: Fle
     assert fleet.events("retire") == [
         "environment/env",
         "agent/agent",
-        "policy_model/policy",
+        "model/policy",
         "resources/res",
     ]
     forgot = await fleet.core.forget(["r1"])

@@ -9,7 +9,7 @@ from ray_ckpt.errors import CoordinationFailed, InvalidCheckpointState
 from ray_ckpt.identity import EpisodeId
 from tests.unit.coord_fleet import make_fleet
 
-KEYS = ("environment/env", "policy_model/policy", "agent/agent", "resources/res")
+KEYS = ("environment/env", "model/policy", "agent/agent", "resources/res")
 
 
 async def _checkpointed() -> tuple[object, str]:
@@ -37,19 +37,19 @@ async def test_a_fresh_fleet_restores_under_the_next_attempt() -> None:
 async def test_one_failed_restore_discards_what_every_other_installed() -> None:
     store, d = await _checkpointed()
     f = make_fleet(store=store)  # type: ignore[arg-type]
-    f.hosts["policy_model/policy"].fail["restore"] = InvalidCheckpointState("digest mismatch")
+    f.hosts["model/policy"].fail["restore"] = InvalidCheckpointState("digest mismatch")
     try:
         with pytest.raises(CoordinationFailed) as info:
             await f.core.restore(d, [EpisodeId("r1")])
-        assert set(info.value.failures) == {"policy_model/policy"}
-        assert "digest" in info.value.failures["policy_model/policy"]["detail"]
+        assert set(info.value.failures) == {"model/policy"}
+        assert "digest" in info.value.failures["model/policy"]["detail"]
         for key in KEYS:
             assert f.parts[key].restored == {}, key
         # The next attempt is retired everywhere (callers first), then all resume.
         assert f.events("retire") == [
             "environment/env",
             "agent/agent",
-            "policy_model/policy",
+            "model/policy",
             "resources/res",
         ]
         [(_, body)] = [c for c in f.hosts["agent/agent"].calls if c[0] == "retire"]
@@ -65,7 +65,7 @@ async def test_a_participant_the_checkpoint_does_not_list_fails_before_anyone_is
     try:
         with pytest.raises(CoordinationFailed) as info:
             await f.core.restore("/ck", [EpisodeId("r1")])
-        assert set(info.value.failures) == {"policy_model/policy", "resources/res"}
+        assert set(info.value.failures) == {"model/policy", "resources/res"}
         assert f.log == []
     finally:
         await f.aclose()

@@ -22,7 +22,7 @@ FLEET = [
     for k in (
         "resources/weather",
         "agent/simple",
-        "policy_model/policy",
+        "model/policy",
         "environment/env-b",
         "environment/env-a",
         "resources/counter",
@@ -33,7 +33,7 @@ FLEET = [
 def test_prepare_goes_environment_policy_agent_resources() -> None:
     assert keys(prepare_groups(FLEET)) == [
         ["environment/env-a", "environment/env-b"],
-        ["policy_model/policy"],
+        ["model/policy"],
         ["agent/simple"],
         ["resources/counter", "resources/weather"],
     ]
@@ -52,18 +52,18 @@ def test_retire_runs_callers_before_callees() -> None:
     expected = [
         ["environment/env-a", "environment/env-b"],
         ["agent/simple"],
-        ["policy_model/policy", "resources/counter", "resources/weather"],
+        ["model/policy", "resources/counter", "resources/weather"],
     ]
     assert keys(retire_groups(FLEET)) == expected
     assert keys(forget_groups(FLEET)) == expected
 
 
 def test_order_follows_who_is_registered() -> None:
-    only = [Member.parse("resources/r"), Member.parse("policy_model/p")]
-    assert keys(prepare_groups(only)) == [["policy_model/p"], ["resources/r"]]
-    assert keys(retire_groups(only)) == [["policy_model/p", "resources/r"]]
+    only = [Member.parse("resources/r"), Member.parse("model/p")]
+    assert keys(prepare_groups(only)) == [["model/p"], ["resources/r"]]
+    assert keys(retire_groups(only)) == [["model/p", "resources/r"]]
     # Duplicates collapse: a participant is called once per phase.
-    assert keys(prepare_groups(only + only)) == [["policy_model/p"], ["resources/r"]]
+    assert keys(prepare_groups(only + only)) == [["model/p"], ["resources/r"]]
 
 
 @pytest.mark.parametrize("key", ["judge/x", "environment", "environment/", "agent/a/b"])

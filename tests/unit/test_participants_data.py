@@ -43,7 +43,7 @@ async def post(
 def held(fleet: LocalFleet) -> dict[str, int]:
     """Everything an attempt can hold, across the fleet."""
     env = fleet.server("environment").stats()
-    model = fleet.server("policy_model").stats()
+    model = fleet.server("model").stats()
     agent = fleet.server("agent").stats()
     resources = fleet.server("resources").stats()
     return {
@@ -63,14 +63,14 @@ async def test_retire_stops_and_frees_everything_the_attempt_held(
 ) -> None:
     env_url = fleet.urls["environment"]
     run = asyncio.create_task(run_episode(http, env_url, EpisodeId("r"), TASK))
-    model = fleet.server("policy_model")
+    model = fleet.server("model")
     # Mid-generation of the second model call: a ledger row, a live call, a
     # resources session, an agent session and a live episode all exist.
     await until(lambda: model.stats()["ledger_entries"] >= 1 and model.stats()["generating"])
     assert all(n > 0 for k, n in held(fleet).items() if k not in {"cuts", "inflight"})
 
     retire = body("ret-1", episode_ids=[{"rollout_id": "r", "attempt": 0}])
-    for group in (("environment",), ("agent",), ("policy_model", "resources")):
+    for group in (("environment",), ("agent",), ("model", "resources")):
         replies = await asyncio.gather(
             *(fleet.controllers[k].handle("retire", retire) for k in group)
         )
@@ -83,7 +83,7 @@ async def test_retire_stops_and_frees_everything_the_attempt_held(
     calls = {k: dict(fleet.server(k).stats()["calls"]) for k in fleet.servers}
     late = [
         (env_url + "/run", {"episode_id": {"rollout_id": "r"}, "task": TASK}),
-        (fleet.urls["policy_model"] + "/ng-rollout/r/v1/responses", {"input": ["x"]}),
+        (fleet.urls["model"] + "/ng-rollout/r/v1/responses", {"input": ["x"]}),
         (fleet.urls["agent"] + "/ng-rollout/r/activate", {"step": 0, "observation": "o"}),
         (fleet.urls["resources"] + "/ng-rollout/r/seed_session", {"task_id": "t", "seed": 1}),
         (fleet.urls["resources"] + "/ng-rollout/r/guess", {"value": 3}),
@@ -110,7 +110,7 @@ async def test_retire_stops_and_frees_everything_the_attempt_held(
 async def test_bad_input_is_a_clear_4xx_and_changes_nothing(
     fleet: LocalFleet, http: aiohttp.ClientSession
 ) -> None:
-    env, model = fleet.urls["environment"], fleet.urls["policy_model"]
+    env, model = fleet.urls["environment"], fleet.urls["model"]
     agent, res = fleet.urls["agent"], fleet.urls["resources"]
     # A real session to check that bad tool calls leave it untouched.
     status, _ = await post(http, f"{res}/ng-rollout/s1/seed_session", {"task_id": "t", "seed": 9})
@@ -158,7 +158,7 @@ async def test_bad_input_is_a_clear_4xx_and_changes_nothing(
         assert reply["error"]["detail"]
     assert game.states == before
     assert held(fleet) == {**dict.fromkeys(held(fleet), 0), "sessions": 2}
-    assert fleet.server("policy_model").generated == 0
+    assert fleet.server("model").generated == 0
 
 
 async def test_a_closed_model_refuses_new_calls_and_resources_hold_late_ones(
@@ -166,11 +166,11 @@ async def test_a_closed_model_refuses_new_calls_and_resources_hold_late_ones(
 ) -> None:
     res = fleet.urls["resources"]
     await post(http, f"{res}/ng-rollout/s1/seed_session", {"task_id": "t", "seed": 9})
-    for kind in ("policy_model", "resources"):
+    for kind in ("model", "resources"):
         reply = await fleet.controllers[kind].handle("prepare", body("c1"))
         assert reply["phase"] == "prepared"
     status, reply = await post(
-        http, f"{fleet.urls['policy_model']}/ng-rollout/m/v1/responses", {"input": ["hi"]}
+        http, f"{fleet.urls['model']}/ng-rollout/m/v1/responses", {"input": ["hi"]}
     )
     assert (status, reply["error"]["code"]) == (409, "admission_closed")
     # A late tool call is not refused: it waits for resume, then runs once.
@@ -178,7 +178,7 @@ async def test_a_closed_model_refuses_new_calls_and_resources_hold_late_ones(
     await asyncio.sleep(0.2)
     assert not late.done()
     assert fleet.server("resources").game.states[EpisodeId("s1")]["guesses"] == []
-    for kind in ("resources", "policy_model"):
+    for kind in ("resources", "model"):
         await fleet.controllers[kind].handle("resume", body("c1"))
     status, reply = await asyncio.wait_for(late, 5)
     assert status == 200
@@ -197,7 +197,7 @@ async def test_restart_only_resources_make_the_episode_a_restart_that_never_bloc
             run_episode(http, fleet.urls["environment"], EpisodeId("r"), TASK)
         )
         await until(lambda: env.participant.report(10).restarts == ["r"])
-        for kind in ("environment", "policy_model", "agent", "resources"):
+        for kind in ("environment", "model", "agent", "resources"):
             reply = await fleet.controllers[kind].handle("prepare", body("c1"))
             assert reply["phase"] == "prepared", kind
         assert fleet.controllers["resources"].participant.report(10).restarts == ["r"]
@@ -205,7 +205,7 @@ async def test_restart_only_resources_make_the_episode_a_restart_that_never_bloc
         commit = body("c1", checkpoint_dir=str(tmp_path), episode_ids=scope)
         with pytest.raises(RestartInScope):
             await env.handle("commit", commit)
-        for kind in ("resources", "agent", "policy_model", "environment"):
+        for kind in ("resources", "agent", "model", "environment"):
             await fleet.controllers[kind].handle("resume", body("c1"))
         reply = await asyncio.wait_for(run, 10)
         assert reply["episode_id"] == {"rollout_id": "r", "attempt": 0}

@@ -103,7 +103,7 @@ async def crash_and_continue(
 
 
 def generating(fleet: LocalFleet) -> bool:
-    calls = fleet.server("policy_model").participant.calls.values()
+    calls = fleet.server("model").participant.calls.values()
     return any(2 <= len(c.tokens) < 6 for c in calls)
 
 
@@ -111,9 +111,9 @@ async def test_mid_generation_prefix_is_cut_and_continued_after_a_crash(
     start: Start, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     _, old, new, _ = await crash_and_continue(start, http, tmp_path, FAST, generating)
-    old_model = old.server("policy_model")
+    old_model = old.server("model")
     assert old_model.participant.counts["cut"] == 1
-    model = new.server("policy_model").stats()
+    model = new.server("model").stats()
     # The re-issued call continued the staged prefix instead of regenerating it.
     assert model["counts"]["calls_continued"] == 1
     assert model["tokens_continued"] >= 2
@@ -123,7 +123,7 @@ async def test_mid_generation_prefix_is_cut_and_continued_after_a_crash(
 
 
 def _delivered_tokens(old: LocalFleet) -> int:
-    rows = old.server("policy_model").participant.ledger.get(EpisodeId("r"), [])
+    rows = old.server("model").participant.ledger.get(EpisodeId("r"), [])
     return sum(int(row["tokens"]) for row in rows)
 
 
@@ -181,7 +181,7 @@ async def test_a_held_response_is_delivered_after_resume_without_a_crash(
     expected = await baseline(fleet, http)
     run = asyncio.create_task(run_episode(http, fleet.urls["environment"], EpisodeId("r"), TASK))
     await until(lambda: generating(fleet))
-    model = fleet.server("policy_model")
+    model = fleet.server("model")
     delivered = model.stats()["ledger_entries"]
     await checkpoint(fleet, "c1", tmp_path, [EpisodeId("r")])
     # The generation finishes while closed, but its response is held.
@@ -197,5 +197,5 @@ async def test_a_held_response_is_delivered_after_resume_without_a_crash(
 
 
 def _held(fleet: LocalFleet) -> bool:
-    calls = fleet.server("policy_model").participant.calls.values()
+    calls = fleet.server("model").participant.calls.values()
     return any(len(c.tokens) == 6 and not c.delivering for c in calls)
