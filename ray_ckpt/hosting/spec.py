@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 class GymServer(Protocol):
     """One Gym server a `ParticipantHost` runs in its own event loop."""
 
-    kind: str  # environment | policy_model | agent | resources
+    kind: str  # environment | model | agent | resources
     participant: Participant  # its hooks
 
     def app(self) -> web.Application | ASGIApp:
