@@ -7,13 +7,13 @@ Heavy pieces (Ray hosts, storage) are imported from their modules:
 """
 
 from ray_ckpt.clock import Clock, ManualClock, SystemClock
+from ray_ckpt.control.asgi import ControlASGIMiddleware
 from ray_ckpt.control.client import ControlClient, data_session
 from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.control.phase_machine import Phase
 from ray_ckpt.control.protocol import KINDS, Participant
 from ray_ckpt.control.routes import (
     CHECKPOINT_ROUTE_PREFIX,
-    ControlASGIMiddleware,
     install_control_routes,
     maybe_install_control_routes,
 )

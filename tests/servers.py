@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
-from ray_ckpt.control.routes import ASGIApp
+from ray_ckpt.control.asgi import ASGIApp
 from ray_ckpt.control.wire import PrepareReport
 from ray_ckpt.errors import AdmissionClosed, CheckpointError
 from ray_ckpt.hosting.serving import bind_socket, serve_app, socket_address

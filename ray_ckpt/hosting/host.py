@@ -35,8 +35,9 @@ from typing import Any
 
 from aiohttp import web
 
+from ray_ckpt.control.asgi import ASGIApp, ControlASGIMiddleware
 from ray_ckpt.control.controller import ParticipantController
-from ray_ckpt.control.routes import ASGIApp, ControlASGIMiddleware, maybe_install_control_routes
+from ray_ckpt.control.routes import maybe_install_control_routes
 from ray_ckpt.control.wire import OPERATIONS
 from ray_ckpt.errors import CheckpointError, NotFound, ParticipantUnavailable
 from ray_ckpt.hosting.serving import (

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from ray_ckpt.control.routes import ASGIApp
+from ray_ckpt.control.asgi import ASGIApp
 
 # How long a graceful stop lets in-flight data requests finish.
 DEFAULT_DRAIN_S = 10.0

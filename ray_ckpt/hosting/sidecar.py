@@ -28,18 +28,11 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
+from ray_ckpt.control.asgi import ASGIApp, ControlASGIMiddleware, Message, Receive, Scope, Send
 from ray_ckpt.control.client import ControlClient
 from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.control.protocol import Participant
-from ray_ckpt.control.routes import (
-    ASGIApp,
-    ControlASGIMiddleware,
-    Message,
-    Receive,
-    Scope,
-    Send,
-    maybe_install_control_routes,
-)
+from ray_ckpt.control.routes import maybe_install_control_routes
 from ray_ckpt.control.wire import OPERATIONS
 from ray_ckpt.errors import CheckpointError, NotFound, ParticipantUnavailable
 from ray_ckpt.hosting.spec import NamedControlOps, ServerSpec, current_node_id

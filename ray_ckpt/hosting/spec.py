@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import msgspec
 from aiohttp import web
 
+from ray_ckpt.control.asgi import ASGIApp
 from ray_ckpt.control.protocol import KINDS, Participant
-from ray_ckpt.control.routes import ASGIApp
 from ray_ckpt.settings import CheckpointSettings
 
 if TYPE_CHECKING:

@@ -13,11 +13,11 @@ from aiohttp import web
 from fastapi import FastAPI
 from pydantic import SecretStr
 
+from ray_ckpt.control.asgi import ControlASGIMiddleware
 from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.control.routes import (
     CHECKPOINT_ROUTE_PREFIX,
     CONTROL_TARGET_KEY,
-    ControlASGIMiddleware,
     control_app,
     install_control_routes,
     maybe_install_control_routes,

@@ -1,0 +1,142 @@
+"""The write-once commit: one checkpoint's export, its store write, and the release.
+
+A commit exports the participant's episodes once and stores those records;
+a retried commit (same directory and scope) awaits, or restarts after a
+failure, that same write instead of exporting again.  The controller keeps
+the phase machine, the lock, the write registry and the commit's order of
+steps; `Commits` does each step's work on the participant and the store, and
+the `Write` record carries one write's lifecycle (start, retry, stop, close).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ray_ckpt.control.phase_machine import Phase
+from ray_ckpt.control.timing import within
+from ray_ckpt.control.wire import MAX_REPORTED_BLOCKERS, CommitRequest, to_builtins
+from ray_ckpt.errors import CheckpointConflict, InvalidPhase, RestartInScope
+from ray_ckpt.identity import EpisodeId
+from ray_ckpt.storage.record import Record, check_json
+from ray_ckpt.storage.seam import StopHandle
+
+if TYPE_CHECKING:
+    from ray_ckpt.control.controller import ParticipantController
+
+# The controller's logger, not this module's: moving the code out of the
+# controller must not move its warnings away from the operators' log filters.
+log = logging.getLogger("ray_ckpt.control.controller")
+
+CommitScope = tuple[EpisodeId, ...] | None
+
+
+@dataclass
+class Write:
+    """One checkpoint's export, made once; a retried commit awaits the same write."""
+
+    checkpoint_dir: str
+    scope: CommitScope
+    records: list[Record]
+    stop: StopHandle
+    task: asyncio.Task[Any] | None = None
+
+    def check_same(self, req: CommitRequest, scope: CommitScope) -> None:
+        """Another commit of the checkpoint must name this write's directory and scope."""
+        if (self.checkpoint_dir, self.scope) != (req.checkpoint_dir, scope):
+            raise CheckpointConflict(
+                f"commit of {req.checkpoint_id} already runs with another directory or scope"
+            )
+
+    async def halt(self) -> None:
+        """Stop the write; waits only for a publication already under way."""
+        await asyncio.to_thread(self.stop.stop)
+
+    async def close(self) -> None:
+        """Stop the write and wait for its task, whatever its outcome."""
+        await self.halt()
+        if self.task is not None:
+            with contextlib.suppress(BaseException):
+                await self.task
+
+
+class Commits:
+    """The commit's work on the participant and the store (the caller holds the lock)."""
+
+    def __init__(self, controller: ParticipantController) -> None:
+        # Read at each call, not copied: the controller's participant, store and
+        # clock are public attributes a host or a test may replace.
+        self._controller = controller
+
+    async def export(self, req: CommitRequest, scope: CommitScope) -> Write:
+        """From a still-ready participant, export the scope (restart-only
+        episodes refused) into the checkpoint's one `Write`."""
+        c = self._controller
+        if not c.participant.ready():
+            raise InvalidPhase(f"{c.kind}/{c.instance} is no longer ready")
+        if scope is not None:
+            restarts = set(c.participant.report(MAX_REPORTED_BLOCKERS).restarts)
+            named = sorted(e.capture_key for e in scope if e.capture_key in restarts)
+            if named:
+                raise RestartInScope(f"commit scope names restart-only episodes {named}")
+        records = await within(c.clock, req, "export", c.participant.export(scope))
+        if scope is not None:
+            wanted = {e.capture_key for e in scope}
+            records = [r for r in records if r.key in wanted]
+        for record in records:
+            check_json(record.state, episode=record.key)
+        return Write(req.checkpoint_dir, scope, records, c.store.new_stop())
+
+    def start(self, write: Write, req: CommitRequest) -> asyncio.Task[Any]:
+        """The store write's task: started on the first try, and started again
+        (with the same records) when a retry finds the previous one failed."""
+        c = self._controller
+        task = write.task
+        failed = (
+            task is not None and task.done() and (task.cancelled() or task.exception() is not None)
+        )
+        if task is None or failed:
+            task = write.task = asyncio.ensure_future(
+                asyncio.to_thread(
+                    c.store.write,
+                    req.checkpoint_dir,
+                    kind=c.kind,
+                    instance=c.instance,
+                    checkpoint_id=req.checkpoint_id,
+                    records=write.records,
+                    stop=write.stop,
+                )
+            )
+        return task
+
+    async def finish(
+        self, req: CommitRequest, scope: CommitScope, write: Write, manifest: Any
+    ) -> dict[str, Any]:
+        """Once the write is durable: drop what the scope left out, park the
+        exported episodes if the controller stops, and build the reply."""
+        c = self._controller
+        if scope is not None:
+            await within(c.clock, req, "release unscoped", c.participant.delete_restored(scope))
+        if req.stop:
+            await self._park_exported(write.records)
+        return {
+            "phase": Phase.COMMITTED.value,
+            "manifest": to_builtins(manifest),
+            "episode_ids": sorted(r.key for r in write.records),
+        }
+
+    async def _park_exported(self, records: list[Record]) -> None:
+        """The controller stops instead of resuming: once the write is durable,
+        free external compute the exported episodes hold (best effort: a
+        failure only costs resources, never the checkpoint)."""
+        c = self._controller
+        park = getattr(c.participant, "park_exported", None)
+        if park is None:
+            return
+        try:
+            await park(records)
+        except Exception:
+            log.warning("%s/%s: park_exported failed", c.kind, c.instance, exc_info=True)
