@@ -20,6 +20,7 @@ class Reason(StrEnum):
     INVALID_REQUEST = "invalid_request"
     PAYLOAD_TOO_LARGE = "payload_too_large"
     NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
     STALE_CHECKPOINT = "stale_checkpoint"
     CHECKPOINT_CONFLICT = "checkpoint_conflict"
     INVALID_PHASE = "invalid_phase"
@@ -46,6 +47,7 @@ _HTTP_STATUS: dict[Reason, int] = {
     Reason.INVALID_REQUEST: 400,
     Reason.PAYLOAD_TOO_LARGE: 413,
     Reason.NOT_FOUND: 404,
+    Reason.METHOD_NOT_ALLOWED: 405,
     Reason.STALE_CHECKPOINT: 409,
     Reason.CHECKPOINT_CONFLICT: 409,
     Reason.INVALID_PHASE: 409,
@@ -155,6 +157,10 @@ class NotFound(CheckpointError):
     reason = Reason.NOT_FOUND
 
 
+class MethodNotAllowed(CheckpointError):
+    reason = Reason.METHOD_NOT_ALLOWED
+
+
 class ParticipantUnavailable(CheckpointError):
     reason = Reason.PARTICIPANT_UNAVAILABLE
 
@@ -200,6 +206,7 @@ _BY_REASON: dict[Reason, type[CheckpointError]] = {
         RestartInScope,
         InvalidCheckpointState,
         NotFound,
+        MethodNotAllowed,
         ParticipantUnavailable,
     )
 }

@@ -15,9 +15,12 @@ import msgspec
 
 from ray_ckpt.errors import InvalidRequest
 
-ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+# `\Z`, not `$`: `$` also matches before a final newline, so "abc\n" would
+# pass and name a second key for one episode.  msgspec applies the pattern
+# with `re.search`, so the anchors are part of it; Python code uses fullmatch.
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*\Z"
 _ID_RE = re.compile(ID_PATTERN)
-_RESERVED_SUFFIX = re.compile(r"-a([1-9][0-9]*)$")
+_RESERVED_SUFFIX = re.compile(r"-a([1-9][0-9]*)\Z")
 MAX_ID_LENGTH = 128
 
 ROLLOUT_PATH_PREFIX = "ng-rollout"
@@ -29,7 +32,7 @@ RolloutIdStr = Annotated[
 
 def validate_rollout_id(rollout_id: str) -> str:
     """Return `rollout_id` if it is legal, else raise `InvalidRequest`."""
-    if not isinstance(rollout_id, str) or not _ID_RE.match(rollout_id):
+    if not isinstance(rollout_id, str) or not _ID_RE.fullmatch(rollout_id):
         raise InvalidRequest(f"rollout id {rollout_id!r} must match {ID_PATTERN}")
     if len(rollout_id) > MAX_ID_LENGTH:
         raise InvalidRequest(f"rollout id is longer than {MAX_ID_LENGTH} characters")
@@ -70,7 +73,7 @@ class EpisodeId(msgspec.Struct, frozen=True, forbid_unknown_fields=True, order=T
     @classmethod
     def from_capture_key(cls, key: str) -> EpisodeId:
         """Parse ``r`` / ``r-aN``; the exact inverse of `capture_key`."""
-        if not isinstance(key, str) or not _ID_RE.match(key) or len(key) > MAX_ID_LENGTH + 24:
+        if not isinstance(key, str) or not _ID_RE.fullmatch(key) or len(key) > MAX_ID_LENGTH + 24:
             raise InvalidRequest(f"malformed capture key {key!r}")
         match = _RESERVED_SUFFIX.search(key)
         if match is None:

@@ -11,14 +11,18 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+import orjson
+
 from ray_ckpt.control.routes import (
-    CHECKPOINT_ROUTE_PREFIX,
+    CONTROL_ROUTES,
     DEFAULT_MAX_BODY_BYTES,
     BodyTooLarge,
     ControlTarget,
     _Gate,
+    is_control_path,
 )
-from ray_ckpt.control.wire import OPERATIONS
+from ray_ckpt.errors import InvalidRequest
+from ray_ckpt.identity import parse_rollout_path
 from ray_ckpt.settings import CheckpointSettings
 
 Scope = MutableMapping[str, Any]
@@ -26,11 +30,6 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-_ASGI_ROUTES: dict[str, tuple[str, str | None]] = {
-    f"{CHECKPOINT_ROUTE_PREFIX}/status": ("GET", None),
-    **{f"{CHECKPOINT_ROUTE_PREFIX}/{op}": ("POST", op) for op in OPERATIONS},
-}
 
 
 class ControlASGIMiddleware:
@@ -60,24 +59,30 @@ class ControlASGIMiddleware:
         return cls(app, target, token=settings.token, max_body_bytes=limit)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = _ASGI_ROUTES.get(_route_path(scope)) if scope["type"] == "http" else None
-        if route is None:
+        path = _route_path(scope) if scope["type"] == "http" else None
+        if path is None or not is_control_path(path):
+            rejected = None if path is None else _malformed_data_key(path)
+            if rejected is not None:
+                await _send(send, *rejected)
+                return
             await self.app(scope, receive, send)
             return
-        method, op = route
-        if scope["method"] != method:
-            await _send(
-                send,
-                405,
-                b'{"error":{"code":"method_not_allowed","detail":""}}',
-                extra=[(b"allow", method.encode())],
-            )
-            return
-        headers = dict(scope.get("headers") or [])
+        raw_headers: list[tuple[bytes, bytes]] = list(scope.get("headers") or [])
         gate = self._gate
-        if not gate.authorized(headers.get(b"authorization")):
+        # The token first, for every path under the prefix: an unauthenticated
+        # caller learns nothing about routes or methods before its 401.
+        auth = [value for name, value in raw_headers if name.lower() == b"authorization"]
+        if not gate.authorized(auth):
             await _send(send, *gate.unauthorized())
             return
+        route = CONTROL_ROUTES.get(path)
+        if route is None or scope["method"] != route[0]:
+            code, reply, allow = gate.unmatched(path, scope["method"])
+            extra = None if allow is None else [(b"allow", allow.encode())]
+            await _send(send, code, reply, extra=extra)
+            return
+        op = route[1]
+        headers = dict(raw_headers)
         if op is None:
             await _send(send, *await gate.status())
             return
@@ -92,6 +97,19 @@ class ControlASGIMiddleware:
         if body is None:
             return  # the client went away; nobody to answer
         await _send(send, *await gate.call(op, body))
+
+
+def _malformed_data_key(path: str) -> tuple[int, bytes] | None:
+    """The envelope for a `/ng-rollout/<key>/` path whose key is empty or malformed.
+
+    Checked here, once for every ASGI app, so a key such as ``zz-a1\n`` never
+    reaches a Gym route that might read it as episode ``zz`` attempt 1.
+    """
+    try:
+        parse_rollout_path(path)
+    except InvalidRequest as exc:
+        return exc.http_status, orjson.dumps(exc.to_body())
+    return None
 
 
 def _route_path(scope: Scope) -> str:

@@ -3,23 +3,27 @@
 `GET {prefix}/status` and `POST {prefix}/{op}` for every control operation.
 Both fronts (aiohttp here, ASGI in `ray_ckpt.control.asgi`) share one order
 of checks through `_Gate`, so a rejected call never reaches the controller:
-auth first (before any body byte is read), then the body size, then the
-controller, which validates the body itself.  Every rejection is a JSON
-`{"error": {"code", "detail"}}` body with the reason's HTTP status.
+auth first (before any body byte is read, and before the path or method is
+judged, so an unauthenticated caller learns nothing but 401), then the route
+and method, then the body size, then the controller, which validates the body
+itself.  Every rejection is a JSON `{"error": {"code", "detail"}}` body with
+the reason's HTTP status; on aiohttp that also holds for an unmatched path
+or method under the data plane's `/ng-rollout/` prefix.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
 
 from ray_ckpt.control.wire import OPERATIONS
-from ray_ckpt.errors import CheckpointError, Reason
+from ray_ckpt.errors import CheckpointError, InvalidRequest, Reason
+from ray_ckpt.identity import ROLLOUT_PATH_PREFIX, parse_rollout_path
 from ray_ckpt.settings import CheckpointSettings
 
 log = logging.getLogger(__name__)
@@ -27,6 +31,18 @@ log = logging.getLogger(__name__)
 CHECKPOINT_ROUTE_PREFIX = "/ng-control/v1/checkpoint"
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 _READ_CHUNK = 64 * 1024
+_DATA_PREFIX = f"/{ROLLOUT_PATH_PREFIX}/"
+
+# Every control path and the one method it takes (status: GET, the rest: POST).
+CONTROL_ROUTES: dict[str, tuple[str, str | None]] = {
+    f"{CHECKPOINT_ROUTE_PREFIX}/status": ("GET", None),
+    **{f"{CHECKPOINT_ROUTE_PREFIX}/{op}": ("POST", op) for op in OPERATIONS},
+}
+
+
+def is_control_path(path: str) -> bool:
+    """The whole prefix is ours: anything under it is answered by the gate."""
+    return path == CHECKPOINT_ROUTE_PREFIX or path.startswith(CHECKPOINT_ROUTE_PREFIX + "/")
 
 
 class ControlTarget(Protocol):
@@ -60,10 +76,27 @@ class _Gate:
         self.max_body_bytes = max_body_bytes
         self._expected = f"Bearer {token}".encode()
 
-    def authorized(self, header: bytes | None) -> bool:
-        # Compare the whole header value so "bearer x", "Bearer  x" and
-        # "Bearer x " are all refused, and in constant time.
-        return header is not None and hmac.compare_digest(header, self._expected)
+    def authorized(self, headers: Sequence[bytes]) -> bool:
+        """Exactly one `Authorization` header, equal to "Bearer <token>".
+
+        Compare the whole header value so "bearer x", "Bearer  x" and
+        "Bearer x " are all refused, and in constant time.  Two headers are
+        refused whatever they hold: proxies and frameworks disagree on which
+        one counts, so "the first decides" is not a rule a caller can rely on.
+        """
+        return len(headers) == 1 and hmac.compare_digest(headers[0], self._expected)
+
+    def unmatched(self, path: str, method: str) -> tuple[int, bytes, str | None]:
+        """An authorized call to a control path or method that does not exist.
+
+        Returns (status, body, the Allow header value for a 405).
+        """
+        route = CONTROL_ROUTES.get(path)
+        if route is None:
+            return (*_rejection(Reason.NOT_FOUND, f"no control route {path}"), None)
+        allowed = route[0]
+        detail = f"{method} is not allowed on {path}; use {allowed}"
+        return (*_rejection(Reason.METHOD_NOT_ALLOWED, detail), allowed)
 
     def declared_too_large(self, content_length: int | None) -> bool:
         return content_length is not None and content_length > self.max_body_bytes
@@ -104,8 +137,16 @@ class _Gate:
 # --- aiohttp ------------------------------------------------------------------
 
 
-def _json(status: int, body: bytes) -> web.Response:
-    return web.Response(status=status, body=body, content_type="application/json")
+def _json(status: int, body: bytes, allow: str | None = None) -> web.Response:
+    resp = web.Response(status=status, body=body, content_type="application/json")
+    if allow is not None:
+        resp.headers["Allow"] = allow
+    return resp
+
+
+def _auth_values(request: web.Request) -> list[bytes]:
+    values = request.headers.getall("Authorization", [])
+    return [h.encode("utf-8", "surrogateescape") for h in values]
 
 
 def _too_large(gate: _Gate) -> web.Response:
@@ -136,9 +177,7 @@ def _aiohttp_handlers(
     Callable[[str], Callable[[web.Request], Awaitable[web.Response]]],
 ]:
     def authorized(request: web.Request) -> bool:
-        header = request.headers.get("Authorization")
-        raw = None if header is None else header.encode("utf-8", "surrogateescape")
-        return gate.authorized(raw)
+        return gate.authorized(_auth_values(request))
 
     async def status(request: web.Request) -> web.Response:
         if not authorized(request):
@@ -162,6 +201,46 @@ def _aiohttp_handlers(
     return status, operation
 
 
+def _envelope_middleware(gate: _Gate) -> Any:
+    """Typed JSON replies where aiohttp's router would answer plain text.
+
+    Only requests the router could not match are touched (the router's own
+    404/405): under the control prefix the token is checked first, then the
+    envelope names the missing route or the allowed method; under
+    `/ng-rollout/` a malformed capture key is 400 `invalid_request` and
+    anything else the envelope of the router's 404/405.  Other paths belong to
+    the Gym app and keep its behaviour.
+    """
+
+    @web.middleware
+    async def middleware(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        unmatched = request.match_info.http_exception
+        if unmatched is None:
+            return await handler(request)
+        path = request.path
+        if is_control_path(path):
+            if not gate.authorized(_auth_values(request)):
+                return _json(*gate.unauthorized())
+            return _json(*gate.unmatched(path, request.method))
+        if not path.startswith(_DATA_PREFIX):
+            return await handler(request)
+        try:
+            parse_rollout_path(path)
+        except InvalidRequest as exc:
+            return _json(exc.http_status, orjson.dumps(exc.to_body()))
+        if unmatched.status == 405:
+            allow = unmatched.headers.get("Allow", "")
+            detail = f"{request.method} is not allowed on {path}; use {allow}"
+            return _json(*_rejection(Reason.METHOD_NOT_ALLOWED, detail), allow)
+        if unmatched.status == 404:
+            return _json(*_rejection(Reason.NOT_FOUND, f"no data route {path}"))
+        return await handler(request)
+
+    return middleware
+
+
 def install_control_routes(
     app: web.Application,
     target: ControlTarget,
@@ -174,6 +253,7 @@ def install_control_routes(
     if CONTROL_TARGET_KEY in app:
         raise ValueError("control routes are already installed on this app")
     app[CONTROL_TARGET_KEY] = target
+    app.middlewares.append(_envelope_middleware(gate))
     status, operation = _aiohttp_handlers(gate)
     app.router.add_get(f"{CHECKPOINT_ROUTE_PREFIX}/status", status, allow_head=False)
     for op in OPERATIONS:

@@ -31,7 +31,7 @@ SCHEMA_VERSION = 1
 DIGEST_ALGO = "sha256"
 MANIFEST_NAME = "manifest.json"
 _NAME_RE = re.compile(ID_PATTERN)
-_RECORDS_RE = re.compile(r"^records-[0-9a-f]{64}\.msgpack$")
+_RECORDS_RE = re.compile(r"records-[0-9a-f]{64}\.msgpack")  # always fullmatch
 
 
 class ParticipantManifest(msgspec.Struct, frozen=True):
@@ -59,7 +59,7 @@ def encode_manifest(manifest: msgspec.Struct) -> bytes:
 
 
 def check_name(what: str, name: str) -> str:
-    if not isinstance(name, str) or not _NAME_RE.match(name) or len(name) > 255:
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or len(name) > 255:
         raise InvalidCheckpointState(f"bad {what} name {name!r}: must match {ID_PATTERN}")
     return name
 
@@ -91,7 +91,7 @@ def decode_manifest(data: bytes, where: str) -> ParticipantManifest:
         raise InvalidCheckpointState(f"unknown records format {manifest.format!r} in {where}")
     if manifest.digest_algo != DIGEST_ALGO:
         raise InvalidCheckpointState(f"unknown digest {manifest.digest_algo!r} in {where}")
-    if not _RECORDS_RE.match(manifest.records_file):
+    if not _RECORDS_RE.fullmatch(manifest.records_file):
         raise InvalidCheckpointState(f"bad records file name {manifest.records_file!r} in {where}")
     return manifest
 

@@ -22,13 +22,13 @@ def test_capture_keys() -> None:
     assert EpisodeId.from_capture_key("x-a0-a2") == EpisodeId("x-a0", 2)
 
 
-@pytest.mark.parametrize("bad", ["", "-r", "r/x", "r a", "r-a1", "r-a12", ".r"])
+@pytest.mark.parametrize("bad", ["", "-r", "r/x", "r a", "r-a1", "r-a12", ".r", "r\n", "r-a1\n"])
 def test_bad_rollout_ids_are_refused(bad: str) -> None:
     with pytest.raises(InvalidRequest):
         EpisodeId(bad)
 
 
-@pytest.mark.parametrize("bad", ["", "r-a1-a2", "a/b", "-a1"])
+@pytest.mark.parametrize("bad", ["", "r-a1-a2", "a/b", "-a1", "zz-a1\n", "zz\n", "zz\r"])
 def test_malformed_capture_keys_are_refused(bad: str) -> None:
     with pytest.raises(InvalidRequest):
         EpisodeId.from_capture_key(bad)
@@ -65,3 +65,20 @@ def test_rollout_path_prefix_round_trip() -> None:
         parse_rollout_path("/ng-rollout/r-a1-a1/verify")
     with pytest.raises(InvalidRequest):
         parse_rollout_path("/ng-rollout//verify")
+
+
+def test_id_pattern_is_matched_in_full_everywhere() -> None:
+    # `$` matches before a final newline: every parser must refuse "abc\n".
+    from ray_ckpt.control.wire import decode_request
+    from ray_ckpt.errors import InvalidCheckpointState
+    from ray_ckpt.identity import RolloutIdStr
+    from ray_ckpt.storage.participant_store import check_name
+
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(b'"abc\\n"', type=RolloutIdStr)
+    with pytest.raises(InvalidRequest):
+        decode_request("prepare", b'{"checkpoint_id": "abc\\n", "deadline_ts": 1.0}')
+    with pytest.raises(InvalidRequest):
+        parse_rollout_path("/ng-rollout/zz-a1\n/step")
+    with pytest.raises(InvalidCheckpointState):
+        check_name("kind", "environment\n")
