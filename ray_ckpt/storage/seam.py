@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from ray_ckpt.storage.location import directory_errors
 from ray_ckpt.storage.record import Record
 
 
@@ -47,7 +48,11 @@ class RecordStore(Protocol):
 
 
 class FileRecordStore:
-    """Records on disk through `ray_ckpt.storage` (imported lazily: it is heavy)."""
+    """Records on disk through `ray_ckpt.storage` (imported lazily: it is heavy).
+
+    A directory that cannot be written or read is a typed error naming it
+    (`ray_ckpt.storage.location`), never a raw `OSError`.
+    """
 
     def new_stop(self) -> StopHandle:
         from ray_ckpt.storage import WriteStop
@@ -67,14 +72,15 @@ class FileRecordStore:
         from ray_ckpt.storage import WriteStop, write_participant
 
         assert isinstance(stop, WriteStop)
-        return write_participant(
-            checkpoint_dir,
-            kind=kind,
-            instance=instance,
-            checkpoint_id=checkpoint_id,
-            records=records,
-            stop=stop,
-        )
+        with directory_errors(checkpoint_dir, "written"):
+            return write_participant(
+                checkpoint_dir,
+                kind=kind,
+                instance=instance,
+                checkpoint_id=checkpoint_id,
+                records=records,
+                stop=stop,
+            )
 
     def read(
         self,
@@ -96,11 +102,12 @@ class FileRecordStore:
         from ray_ckpt.storage.gym_manifest import gym_manifest_path, listed_manifest
         from ray_ckpt.storage.participant_store import read_records
 
-        if gym_manifest_path(checkpoint_dir).exists():
-            gym = read_gym_manifest(checkpoint_dir)
-            manifest = listed_manifest(checkpoint_dir, gym, gym.entry(kind, instance))
-        else:
-            manifest = load_manifest(
-                checkpoint_dir, kind=kind, instance=instance, checkpoint_id=None
-            )
-        return manifest, read_records(checkpoint_dir, manifest, select)
+        with directory_errors(checkpoint_dir, "read"):
+            if gym_manifest_path(checkpoint_dir).exists():
+                gym = read_gym_manifest(checkpoint_dir)
+                manifest = listed_manifest(checkpoint_dir, gym, gym.entry(kind, instance))
+            else:
+                manifest = load_manifest(
+                    checkpoint_dir, kind=kind, instance=instance, checkpoint_id=None
+                )
+            return manifest, read_records(checkpoint_dir, manifest, select)
