@@ -15,6 +15,7 @@ import contextlib
 import os
 import pathlib
 import threading
+import uuid
 from collections.abc import Iterator
 
 from ray_ckpt.errors import InvalidCheckpointState
@@ -109,8 +110,9 @@ def create_never_replace(final: pathlib.Path, data: bytes) -> bytes | None:
     is atomic and fails if the name exists, so of two racing writers exactly
     one publishes; the directory is fsynced before returning.
     """
-    tmp = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    unlink_quietly(tmp)
+    # Unique per call: pid and thread id repeat across hosts sharing a file
+    # system, and a writer must never unlink or reuse another writer's temp.
+    tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
     write_new_file(tmp, data)
     existing: bytes | None = None
     try:

@@ -209,9 +209,7 @@ def write_participant(
     final = pdir / manifest.records_file
     try:
         with stop.publishing():
-            placed = not final.exists()
-            if placed:
-                os.replace(tmp, final)
+            placed = _place_records(tmp, final)
             durable.fsync_dir(pdir)
             existing = durable.create_never_replace(pdir / MANIFEST_NAME, encode_manifest(manifest))
     finally:
@@ -221,9 +219,28 @@ def write_participant(
     other = decode_manifest(existing, str(pdir / MANIFEST_NAME))
     if other == manifest:
         return other
-    if placed:
+    # Lost the manifest race.  Remove the records file only if this write
+    # created it and the winner's manifest does not name it: the name is the
+    # content digest, so another writer (a participant misconfigured with the
+    # same kind and instance) may have committed the very same file.
+    if placed and other.records_file != manifest.records_file:
         durable.unlink_quietly(final)
     raise _conflict(pdir, other)
+
+
+def _place_records(tmp: pathlib.Path, final: pathlib.Path) -> bool:
+    """Publish the fsynced temp file under its digest name; True if this call created it.
+
+    A hard link is create-only: of two writers of the same bytes exactly one
+    creates the name, and no writer ever replaces a file another may have
+    named in its manifest.  Equal names mean equal bytes, so finding the name
+    taken is success.
+    """
+    try:
+        os.link(tmp, final)
+    except FileExistsError:
+        return False
+    return True
 
 
 def _conflict(pdir: pathlib.Path, other: ParticipantManifest) -> InvalidCheckpointState:
