@@ -1,0 +1,577 @@
+"""The crash matrix: a real kill at each point of a checkpoint's life, of each
+participant kind and of the coordinator, in each step mode.
+
+Kill points (what is restored afterwards):
+
+- `mid_prepare`: the coordinator's prepare is under way, a host waits behind
+  an in-flight step (wait mode: a verify holds the environment; replay mode:
+  a tool call holds the resources server).  Restores an earlier whole
+  checkpoint `c1`, taken first for that purpose.
+- `prepared`: every host prepared, nothing committed.  Restores `c1`.
+- `mid_commit`: the target's records file is being written (a slow-write
+  store on that host stalls the write with the temporary records file open).
+  Restores `c1`; the torn `c2` is refused as a whole.
+- `committed`: committed, before resume.  Restores that checkpoint.
+- `after_resume`: resumed, and work went on past the checkpoint.  Restores it
+  (the work after it is lost and done again).
+- `mid_restore`: a fresh fleet is installing a whole checkpoint (a slow-read
+  store on one host holds the restore open).  A third fleet restores the
+  same checkpoint.
+
+A host target is killed with `ray.kill(host, no_restart=True)`; the rest of
+its fleet then crashes too (`crash`: a restore needs fresh processes
+everywhere), a fresh fleet restores and every unfinished rollout goes on as
+attempt 1.  The coordinator is killed the same way; the fleet lives on, each
+lease lapses and the participant resumes by itself, rollouts carry on as
+attempt 0, and a successor under the same name and journal recovers (for
+`mid_restore` the half-restored fleet is replaced and the successor restores
+into a fresh one).
+
+Every cell asserts that every rollout finished exactly once with the
+uninterrupted run's result, and that each unfinished rollout either went on
+from the restored checkpoint or was restarted, exactly once (attempt 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import aiohttp
+import pytest
+import ray
+
+import participants.fleet as fleet_module
+from coordination.demo.scenario import Rollouts, crash, fleet_stats, restore_and_continue
+from coordination.handle import CoordinatorHandle
+from participants.fleet import Fleet, FleetConfig
+from ray_ckpt.control.client import data_session
+from ray_ckpt.errors import CoordinationFailed, ParticipantUnavailable
+from ray_ckpt.hosting.spec import import_factory
+from ray_ckpt.identity import EpisodeId
+from ray_ckpt.storage import verify_checkpoint
+from ray_ckpt.storage.record import Record
+from tests.e2e.conftest import (
+    E2E,
+    assert_clean,
+    assert_exactly_once,
+    stats_until,
+    until,
+)
+from tests.e2e.test_coordinator_crash import mid_flight, phases
+from tests.e2e.test_crash_uncommitted import assert_untouched, checkpoint
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+N, STEPS, SEED = 3, 2, 61
+KILLS = ("mid_prepare", "prepared", "mid_commit", "committed", "after_resume", "mid_restore")
+TARGETS = ("environment", "model", "agent", "resources", "coordinator")
+MODES = ("wait", "replay")
+
+# Coordinator cells: short deadlines and leases, so a dead coordinator's
+# checkpoint lapses in seconds (a lease runs to the call's deadline + grace).
+LEASE_S = 1.0
+PREPARE_S, COMMIT_S, RESTORE_S = 1.5, 2.5, 2.5
+# How long the slow store holds a records file open / a restore's read.
+STALL_S = 1.5
+# The host whose write/read stalls when the coordinator is the target.
+STALLED_FOR_COORDINATOR = "model"
+
+
+# --- fault injection: a records store that stalls ---------------------------------
+
+
+class StallingStore:
+    """The host's own record store, with its writes into `<dir>` (by name) stalled
+    while the temporary records file is open, and its reads stalled before they
+    start: a kill in that window is a kill mid-commit or mid-restore."""
+
+    def __init__(self, inner: Any, *, write_dir: str, write_s: float, read_s: float) -> None:
+        self.inner = inner
+        self.write_dir = write_dir
+        self.write_s = write_s
+        self.read_s = read_s
+
+    def new_stop(self) -> Any:
+        return self.inner.new_stop()
+
+    def write(self, checkpoint_dir: str, *, records: Sequence[Record], **kw: Any) -> Any:
+        if Path(checkpoint_dir).name == self.write_dir:
+            records = _stalled(records, self.write_s)  # type: ignore[assignment]
+        return self.inner.write(checkpoint_dir, records=records, **kw)
+
+    def read(self, checkpoint_dir: str, **kw: Any) -> Any:
+        time.sleep(self.read_s)
+        return self.inner.read(checkpoint_dir, **kw)
+
+
+def _stalled(records: Iterable[Record], seconds: float) -> Iterator[Record]:
+    # The encoder pulls the first record with the temporary file already open.
+    time.sleep(seconds)
+    yield from records
+
+
+def stalling_server(
+    *,
+    stall_inner: str,
+    stall_write_dir: str = "",
+    stall_write_s: float = 0.0,
+    stall_read_s: float = 0.0,
+    **options: Any,
+) -> Any:
+    """A reference server whose controller gets a `StallingStore` (the store is a
+    public attribute of the controller, meant to be replaceable)."""
+    server = import_factory(stall_inner)(**options)
+    attach = server.attach
+
+    def attach_stalling(controller: Any) -> None:
+        attach(controller)
+        controller.store = StallingStore(
+            controller.store,
+            write_dir=stall_write_dir,
+            write_s=stall_write_s,
+            read_s=stall_read_s,
+        )
+
+    server.attach = attach_stalling
+    return server
+
+
+@contextlib.contextmanager
+def stalls(kind: str | None, **stall: Any) -> Iterator[None]:
+    """While in effect, `launch_fleet` builds the `kind` host by `stalling_server`."""
+    if kind is None:
+        yield
+        return
+    plain = fleet_module.factory_options
+
+    def options(k: str, config: FleetConfig, urls: dict[str, str]) -> tuple[str, dict[str, Any]]:
+        factory, opts = plain(k, config, urls)
+        if k != kind:
+            return factory, opts
+        extra = {f"stall_{key}": value for key, value in stall.items()}
+        return f"{__name__}:stalling_server", {**opts, "stall_inner": factory, **extra}
+
+    with mock.patch.object(fleet_module, "factory_options", options):
+        yield
+
+
+# --- one cell ---------------------------------------------------------------------
+
+
+@dataclass
+class Cell:
+    e2e: E2E
+    kill: str
+    target: str
+    mode: str
+    gym: CoordinatorHandle
+    rollouts: Rollouts
+    session: aiohttp.ClientSession
+    config: FleetConfig
+    fleet: Fleet
+
+    @property
+    def c1(self) -> str:
+        return str(self.e2e.tmp / "c1")
+
+    @property
+    def c2(self) -> str:
+        return str(self.e2e.tmp / "c2")
+
+    async def fresh(self, stalled: str | None = None, **stall: Any) -> Fleet:
+        """A fresh fleet under the same names (the dead ones' names released)."""
+        with stalls(stalled, **stall):
+            return await self.e2e.launch(self.config)
+
+    def kill_target(self, fleet: Fleet | None = None) -> None:
+        if self.target == "coordinator":
+            ray.kill(self.gym.actor, no_restart=True)
+        else:
+            ray.kill((fleet or self.fleet).hosts[self.target], no_restart=True)
+
+    def target_name(self, fleet: Fleet | None = None) -> str:
+        return (fleet or self.fleet).names[self.target]
+
+    async def progress(self) -> None:
+        """Work goes on past the last checkpoint (and some of it is still unfinished)."""
+        tokens = (await fleet_stats(self.fleet))["model"]["tokens_generated"]
+        await stats_until(
+            self.fleet,
+            lambda s: s["model"]["tokens_generated"] >= tokens + 12 and mid_flight(s),
+            "progress after the checkpoint, rollouts still in flight",
+        )
+
+
+def coordinator(e2e: E2E, target: str) -> CoordinatorHandle:
+    """The cell's coordinator (the same name and journal for a successor)."""
+    if target != "coordinator":
+        return e2e.coordinator()
+    return e2e.coordinator(prepare_s=PREPARE_S, commit_s=COMMIT_S, restore_s=RESTORE_S)
+
+
+def cell_config(e2e: E2E, kill: str, target: str, mode: str) -> FleetConfig:
+    overrides: dict[str, Any] = {
+        "verify_mode": mode,
+        "token_delay_s": 0.03,
+        "tokens_per_turn": 8,
+    }
+    if target == "coordinator":
+        overrides["lease_grace_seconds"] = LEASE_S
+    if kill == "mid_prepare":
+        # A step the prepare must wait for, long enough to kill in: a waited
+        # verify (wait mode) or a counted tool call (replay mode).
+        overrides["verify_delay_s" if mode == "wait" else "step_delay_s"] = 0.8
+    return e2e.config(**overrides)
+
+
+def stalled_kind(target: str) -> str:
+    return STALLED_FOR_COORDINATOR if target == "coordinator" else target
+
+
+def blocked_by(mode: str) -> Callable[[dict[str, dict[str, Any]]], bool]:
+    """The step a prepare must wait for is in flight."""
+
+    def probe(stats: dict[str, dict[str, Any]]) -> bool:
+        routes = stats["resources"]["inflight_by_route"]
+        if mode == "wait":
+            return bool(routes.get("verify", 0) >= 1)
+        return bool(routes.get("guess", 0) + routes.get("hint", 0) >= 1)
+
+    return probe
+
+
+async def preparing_behind_a_blocker(fleet: Fleet) -> str | None:
+    """The kind of a host preparing behind a blocker, if any."""
+    for kind, host in fleet.ordered():
+        status: dict[str, Any] = await host.status.remote()
+        if status["phase"] == "preparing" and status["report"]["blocker_count"] >= 1:
+            return kind
+    return None
+
+
+async def kinds_in(fleet: Fleet, kinds: Iterable[str], phase: str) -> bool:
+    for kind in kinds:
+        if (await fleet.hosts[kind].status.remote())["phase"] != phase:
+            return False
+    return True
+
+
+def stalled_write(ckpt: str, kind: str) -> list[Path]:
+    """The temporary records files of `kind` under `ckpt` (a write under way)."""
+    return sorted(Path(ckpt).glob(f"gym/{kind}/*/.records.*.tmp"))
+
+
+def failed_by(info: pytest.ExceptionInfo[CoordinationFailed], name: str) -> None:
+    """The coordinator's operation failed because of the dead host, and it alone."""
+    assert set(info.value.failures) == {name}, info.value.failures
+    assert info.value.failures[name]["code"] == "participant_unavailable"
+
+
+# --- host targets: kill one host, crash the rest, restore into a fresh fleet -------
+
+
+async def recover(cell: Cell, ckpt: str, *, refused: str | None = None) -> Fleet:
+    """Crash the rest of the fleet, restore `ckpt` into a fresh one and continue
+    every unfinished rollout as attempt 1.  `refused`: a checkpoint that never
+    became whole, whose restore must be refused before anyone is touched."""
+    await crash(cell.fleet, cell.rollouts)
+    scope = cell.rollouts.unfinished()
+    assert scope, "nothing was in flight at the crash: the cell proves nothing"
+    fresh = await cell.fresh()
+    if refused is not None:
+        with pytest.raises(CoordinationFailed) as info:
+            await cell.gym.arestore(refused, scope)
+        assert set(info.value.failures) == {"gym-manifest"}, info.value.failures
+        await assert_untouched(cell.gym, fresh)
+    await continue_from(cell, fresh, ckpt, scope)
+    return fresh
+
+
+async def continue_from(cell: Cell, fresh: Fleet, ckpt: str, scope: list[EpisodeId]) -> None:
+    cont = await restore_and_continue(cell.gym, fresh, cell.session, ckpt, scope, cell.rollouts)
+    assert cont.continued, "at least one rollout continued from its restored boundary"
+    assert sorted(cont.continued + cont.restarted) == sorted(e.rollout_id for e in scope)
+    cell.fleet = fresh
+
+
+async def prepare_then_commit(cell: Cell, prepare: Awaitable[Any]) -> None:
+    await prepare
+    await cell.gym.acommit(cell.c2, cell.rollouts.unfinished())
+
+
+async def host_mid_prepare(cell: Cell) -> Fleet:
+    await checkpoint(cell.gym, cell.rollouts, cell.c1)
+    await stats_until(cell.fleet, blocked_by(cell.mode), f"a {cell.mode} step in flight")
+    prepare = asyncio.ensure_future(cell.gym.aprepare())
+    await until(lambda: preparing_behind_a_blocker(cell.fleet), "a host preparing, blocked")
+    assert not prepare.done()
+    name = cell.target_name()
+    cell.kill_target()
+    # The dead host fails the checkpoint: its prepare, or (if it had already
+    # answered it) the commit that follows.
+    with pytest.raises(CoordinationFailed) as info:
+        await prepare_then_commit(cell, prepare)
+    failed_by(info, name)
+    return await recover(cell, cell.c1, refused=cell.c2)
+
+
+async def host_prepared(cell: Cell) -> Fleet:
+    await checkpoint(cell.gym, cell.rollouts, cell.c1)
+    await cell.progress()
+    await cell.gym.aprepare()
+    assert await phases(cell.fleet) == {"prepared"}
+    cell.kill_target()
+    with pytest.raises(CoordinationFailed) as info:
+        await cell.gym.acommit(cell.c2, cell.rollouts.unfinished())
+    failed_by(info, cell.target_name())
+    return await recover(cell, cell.c1, refused=cell.c2)
+
+
+async def host_mid_commit(cell: Cell) -> Fleet:
+    await checkpoint(cell.gym, cell.rollouts, cell.c1)
+    await cell.progress()
+    await cell.gym.aprepare()
+    commit = asyncio.ensure_future(cell.gym.acommit(cell.c2, cell.rollouts.unfinished()))
+
+    async def writing() -> list[Path]:
+        return stalled_write(cell.c2, cell.target)
+
+    (tmp,) = await until(writing, f"the {cell.target} records file being written")
+    assert not commit.done()
+    cell.kill_target()
+    with pytest.raises(CoordinationFailed) as info:
+        await commit
+    failed_by(info, cell.target_name())
+    assert tmp.exists(), "the kill landed mid-write: the temporary file stays"
+    assert not verify_checkpoint(cell.c2).ok
+    return await recover(cell, cell.c1, refused=cell.c2)
+
+
+async def host_committed(cell: Cell) -> Fleet:
+    await cell.gym.aprepare()
+    committed = await cell.gym.acommit(cell.c1, cell.rollouts.unfinished())
+    assert verify_checkpoint(cell.c1).ok
+    cell.kill_target()
+    resumed = await cell.gym.aresume()
+    # The dead host cannot answer: reported, not raised; the others resume.
+    assert resumed.checkpoint_id == committed.checkpoint_id
+    assert set(resumed.failures) == {cell.target_name()}, resumed.failures
+    return await recover(cell, cell.c1)
+
+
+async def host_after_resume(cell: Cell) -> Fleet:
+    await cell.gym.acheckpoint(cell.c1, cell.rollouts.unfinished())
+    assert verify_checkpoint(cell.c1).ok
+    await cell.progress()
+    cell.kill_target()
+    return await recover(cell, cell.c1)
+
+
+async def mid_restore_of(cell: Cell) -> tuple[Fleet, list[EpisodeId], asyncio.Future[Any]]:
+    """A whole checkpoint, a crash, and a fresh fleet restoring it, with every
+    host installed but the stalled one, which is still reading its records."""
+    await cell.gym.acheckpoint(cell.c1, cell.rollouts.unfinished())
+    await crash(cell.fleet, cell.rollouts)
+    scope = cell.rollouts.unfinished()
+    assert scope, "nothing was in flight at the crash: the cell proves nothing"
+    second = await cell.fresh(stalled_kind(cell.target), read_s=STALL_S)
+    restore = asyncio.ensure_future(cell.gym.arestore(cell.c1, scope))
+    stalled = stalled_kind(cell.target)
+    others = [k for k in fleet_module.KIND_ORDER if k != stalled]
+    await until(lambda: kinds_in(second, others, "restored"), f"all but {stalled} restored")
+    assert await kinds_in(second, [stalled], "idle"), f"{stalled} is still reading"
+    assert not restore.done()
+    return second, scope, restore
+
+
+async def host_mid_restore(cell: Cell) -> Fleet:
+    second, scope, restore = await mid_restore_of(cell)
+    cell.kill_target(second)
+    with pytest.raises(CoordinationFailed) as info:
+        await restore
+    failed_by(info, cell.target_name(second))
+    # The survivors restored once already (and were undone): a third fleet.
+    second.kill()
+    third = await cell.fresh()
+    await continue_from(cell, third, cell.c1, scope)
+    return third
+
+
+HOST_KILLS: dict[str, Callable[[Cell], Awaitable[Fleet]]] = {
+    "mid_prepare": host_mid_prepare,
+    "prepared": host_prepared,
+    "mid_commit": host_mid_commit,
+    "committed": host_committed,
+    "after_resume": host_after_resume,
+    "mid_restore": host_mid_restore,
+}
+
+
+# --- the coordinator as target: leases lapse, a successor recovers ---------------
+
+
+async def lapse_and_succeed(cell: Cell, fleet: Fleet, killed: float) -> str | None:
+    """Every participant resumes by itself; then a successor under the same name
+    and journal recovers; returns what it recovered (the dead one's open ID)."""
+
+    async def all_idle() -> bool:
+        return await phases(fleet) == {"idle"}
+
+    await until(all_idle, "every participant to resume on its own", timeout_s=20)
+    lapsed_s = time.monotonic() - killed
+    assert lapsed_s < max(PREPARE_S, COMMIT_S, RESTORE_S) + LEASE_S + 5, lapsed_s
+
+    async def successor() -> tuple[CoordinatorHandle, str | None] | None:
+        handle = coordinator(cell.e2e, "coordinator")
+        try:
+            recovered: str | None = await handle.actor.ping.remote()
+        except Exception:
+            return None  # the dead one's name was not released yet
+        return handle, recovered
+
+    found = await until(successor, "a new coordinator under the same name", timeout_s=30)
+    assert found is not None
+    cell.gym, recovered = found
+    return recovered
+
+
+async def carry_on(cell: Cell) -> Fleet:
+    """The fleet lived: rollouts carry on in place after the lapse."""
+    tokens = (await fleet_stats(cell.fleet))["model"]["tokens_generated"]
+    await stats_until(
+        cell.fleet,
+        lambda s: s["model"]["tokens_generated"] > tokens or not cell.rollouts.unfinished(),
+        "rollouts to carry on after the lapse",
+    )
+    return cell.fleet
+
+
+async def coordinator_mid_prepare(cell: Cell) -> Fleet:
+    await stats_until(cell.fleet, blocked_by(cell.mode), f"a {cell.mode} step in flight")
+    prepare = asyncio.ensure_future(cell.gym.aprepare())
+    await until(lambda: preparing_behind_a_blocker(cell.fleet), "a host preparing, blocked")
+    assert not prepare.done()
+    cell.kill_target()
+    killed = time.monotonic()
+    with pytest.raises(ParticipantUnavailable):
+        await prepare
+    recovered = await lapse_and_succeed(cell, cell.fleet, killed)
+    assert recovered is not None
+    assert recovered.startswith("ckpt-"), recovered
+    return await carry_on(cell)
+
+
+async def coordinator_prepared(cell: Cell) -> Fleet:
+    prepared = await cell.gym.aprepare()
+    assert await phases(cell.fleet) == {"prepared"}
+    cell.kill_target()
+    recovered = await lapse_and_succeed(cell, cell.fleet, time.monotonic())
+    assert recovered == prepared.checkpoint_id
+    return await carry_on(cell)
+
+
+async def coordinator_mid_commit(cell: Cell) -> Fleet:
+    prepared = await cell.gym.aprepare()
+    commit = asyncio.ensure_future(cell.gym.acommit(cell.c2, cell.rollouts.unfinished()))
+    stalled = stalled_kind(cell.target)
+
+    async def writing() -> list[Path]:
+        return stalled_write(cell.c2, stalled)
+
+    await until(writing, f"the {stalled} records file being written")
+    assert not commit.done()
+    cell.kill_target()
+    killed = time.monotonic()
+    with pytest.raises(ParticipantUnavailable):
+        await commit
+    recovered = await lapse_and_succeed(cell, cell.fleet, killed)
+    assert recovered == prepared.checkpoint_id
+    # Nobody wrote the Gym manifest: not a checkpoint anyone can restore.
+    assert not verify_checkpoint(cell.c2).ok
+    return await carry_on(cell)
+
+
+async def coordinator_committed(cell: Cell) -> Fleet:
+    prepared = await cell.gym.aprepare()
+    await cell.gym.acommit(cell.c1, cell.rollouts.unfinished())
+    cell.kill_target()
+    recovered = await lapse_and_succeed(cell, cell.fleet, time.monotonic())
+    assert recovered == prepared.checkpoint_id
+    assert verify_checkpoint(cell.c1).ok, "the dead coordinator's checkpoint is whole"
+    return await carry_on(cell)
+
+
+async def coordinator_after_resume(cell: Cell) -> Fleet:
+    await cell.gym.acheckpoint(cell.c1, cell.rollouts.unfinished())
+    cell.kill_target()
+    assert await phases(cell.fleet) == {"idle"}
+    recovered = await lapse_and_succeed(cell, cell.fleet, time.monotonic())
+    assert recovered is None, "nothing was open"
+    return await carry_on(cell)
+
+
+async def coordinator_mid_restore(cell: Cell) -> Fleet:
+    second, scope, restore = await mid_restore_of(cell)
+    cell.kill_target()
+    killed = time.monotonic()
+    with pytest.raises(ParticipantUnavailable):
+        await restore
+    recovered = await lapse_and_succeed(cell, second, killed)
+    assert recovered is not None
+    assert recovered.startswith("restore-"), recovered
+    # The half-restored fleet restored once already: a fresh one takes over.
+    second.kill()
+    third = await cell.fresh()
+    await continue_from(cell, third, cell.c1, scope)
+    return third
+
+
+COORDINATOR_KILLS: dict[str, Callable[[Cell], Awaitable[Fleet]]] = {
+    "mid_prepare": coordinator_mid_prepare,
+    "prepared": coordinator_prepared,
+    "mid_commit": coordinator_mid_commit,
+    "committed": coordinator_committed,
+    "after_resume": coordinator_after_resume,
+    "mid_restore": coordinator_mid_restore,
+}
+
+
+def cells() -> list[Any]:
+    out: list[Any] = []
+    for kill in KILLS:
+        for target in TARGETS:
+            for mode in MODES:
+                out.append(pytest.param(kill, target, mode, id=f"{kill}-{target}-{mode}"))
+    return out
+
+
+@pytest.mark.parametrize(("kill", "target", "mode"), cells())
+async def test_crash_matrix(e2e: E2E, kill: str, target: str, mode: str) -> None:
+    config = cell_config(e2e, kill, target, mode)
+    expected = await e2e.baseline(config, N, STEPS, SEED)
+    gym = coordinator(e2e, target)
+    mid_commit = kill == "mid_commit"
+    with stalls(stalled_kind(target) if mid_commit else None, write_dir="c2", write_s=STALL_S):
+        fleet = await e2e.launch(config)
+    rollouts, tally = e2e.rollouts(N, STEPS, SEED)
+    async with data_session(256, 256) as session:
+        cell = Cell(e2e, kill, target, mode, gym, rollouts, session, config, fleet)
+        for i, r in enumerate(rollouts.tasks):
+            rollouts.start(session, fleet.urls["environment"], r, delay_s=0.15 * i)
+        await stats_until(fleet, mid_flight, "rollouts mid-generation")
+        kills = COORDINATOR_KILLS if target == "coordinator" else HOST_KILLS
+        final = await kills[kill](cell)
+        await rollouts.wait(timeout_s=60)
+    assert_exactly_once(rollouts, tally, expected)
+    # Each rollout ran as attempt 0 only, or went on once as attempt 1.
+    assert set(tally.attempt.values()) <= {0, 1}, tally.attempt
+    if target == "coordinator" and kill != "mid_restore":
+        assert set(tally.attempt.values()) == {0}, "the fleet lived: nothing restarted"
+    await assert_clean(final)
