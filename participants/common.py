@@ -37,6 +37,12 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 DATA_POOL_LIMIT = 1024
 DATA_POOL_PER_HOST = 512
 
+# The caller's position of a model call in its episode: how many model calls
+# its session had made before this one.  A call re-issued after a restore
+# carries the same position, so the model's ledger replaces the row of the
+# delivery the caller dropped instead of adding a second one.
+MODEL_CALL_HEADER = "x-ng-model-call"
+
 
 def error_response(exc: CheckpointError) -> web.Response:
     return web.json_response(exc.to_body(), status=exc.http_status)
@@ -100,12 +106,13 @@ class Downstream:
             self._session = data_session(DATA_POOL_LIMIT, DATA_POOL_PER_HOST)
         return self._session
 
-    async def post(self, url: str, body: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    async def post(
+        self, url: str, body: Any, extra_headers: Mapping[str, str] | None = None
+    ) -> tuple[dict[str, Any], dict[str, str]]:
         """POST JSON; the reply object and headers, or the callee's typed error."""
+        sent = {"Content-Type": "application/json", **(extra_headers or {})}
         try:
-            async with self.session().post(
-                url, data=orjson.dumps(body), headers={"Content-Type": "application/json"}
-            ) as resp:
+            async with self.session().post(url, data=orjson.dumps(body), headers=sent) as resp:
                 status, raw, headers = resp.status, await resp.read(), dict(resp.headers)
         except aiohttp.ClientError as exc:
             raise ParticipantUnavailable(f"POST {url} failed: {exc!r}") from None

@@ -11,12 +11,27 @@ What a policy model holds for a checkpoint (reference notes §2.1):
   its pre-call boundary and re-issues the call after a restore.
 - **Generation cuts**: at close, each episode's latest undelivered generation
   is cut at a token boundary and its prefix staged for the attempt.  After a
-  restore, the re-issued call of attempt + 1 with the same conversation digest
-  continues from the prefix instead of generating it again.  Best effort: a
-  missing or unmatched cut only costs regeneration.
+  restore, the re-issued call of attempt + 1 continues from the prefix instead
+  of generating it again, but only if it asks for the same generation: the
+  same conversation digest *and* the same generation parameters (limits,
+  sampling, stop sequences, tool choice, constrained decoding), and a limit
+  the prefix does not exceed.  A call that does not match leaves the cut for
+  a later one that does.  Best effort: a missing or unmatched cut only costs
+  regeneration.
 - **Capture ledger**: one row per delivered call, per attempt; exported for
-  the commit scope and imported under attempt + 1.  Retire frees the ledgers
-  (and cuts and held calls) of the attempt and every earlier one.
+  the commit scope only (notes §1.10: export without a scope is refused) and
+  imported under attempt + 1.  A row is keyed by the caller's call position
+  (the `x-ng-model-call` header: how many model calls the caller's session
+  had made before this one), so a call the caller re-issues after a restore
+  (its response was delivered, but the caller's exported boundary is before
+  the call) replaces the row of the dropped delivery instead of adding a
+  second one: the ledger always ends equal to the caller's boundary.
+- **Bounded**: the ledger frees an attempt when its caller closes it
+  (`finish`, the episode is done), when it is retired, when its rollout is
+  forgotten, and when a commit leaves a restored attempt out of its scope.
+  With checkpointing off nothing is recorded at all.
+- **Fence**: a retired attempt never gains a call, a cut or a ledger row, even
+  if its request was still arriving when the retire ran.
 """
 
 from __future__ import annotations
@@ -32,9 +47,11 @@ from participants.hooks import stage_records, stop_tasks
 from ray_ckpt.control.admission import AdmissionGate
 from ray_ckpt.control.retire_marks import retire_scope
 from ray_ckpt.control.wire import Blocker, PrepareReport, to_builtins
-from ray_ckpt.errors import AdmissionClosed, InvalidCheckpointState
+from ray_ckpt.errors import AdmissionClosed, InvalidCheckpointState, InvalidRequest, StaleAttempt
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage.record import Record
+
+Row = dict[str, Any]
 
 
 class Cut(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -43,6 +60,10 @@ class Cut(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     digest: str  # the conversation the generation answers
     tokens: list[int]
     call: int  # admission index of the cut call (diagnostics only)
+    # Digest of the generation-defining parameters of the cut call.  None (a
+    # record written before it was kept) never matches: regenerating is safe,
+    # continuing under other limits or sampling is not.
+    params: str | None = None
 
 
 class ModelState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -55,29 +76,66 @@ class ModelState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class Call:
     """One admitted generation, from admission to delivery."""
 
-    __slots__ = ("continued", "delivering", "digest", "episode", "index", "task", "tokens")
+    __slots__ = (
+        "continued",
+        "delivering",
+        "digest",
+        "episode",
+        "finished",
+        "index",
+        "params",
+        "position",
+        "task",
+        "tokens",
+    )
 
-    def __init__(self, episode: EpisodeId, digest: str, index: int, task: Any) -> None:
+    def __init__(
+        self,
+        episode: EpisodeId,
+        digest: str,
+        index: int,
+        task: Any,
+        *,
+        params: str = "",
+        position: int | None = None,
+    ) -> None:
         self.episode = episode
         self.digest = digest
+        self.params = params
+        self.position = position  # the caller's call position, if it said
         self.index = index
         self.task: asyncio.Task[Any] | None = task
         self.tokens: list[int] = []
         self.continued = 0  # tokens taken from a restored cut
         self.delivering = False
+        self.finished = False  # its attempt was closed, retired or forgotten meanwhile
+
+
+def _covers_rollouts(rollout_ids: Iterable[str]) -> Callable[[EpisodeId], bool]:
+    ids = frozenset(rollout_ids)
+    return lambda e: e.rollout_id in ids
 
 
 class PolicyModelParticipant:
     kind = "model"
 
-    def __init__(self) -> None:
+    def __init__(self, *, recording: bool = True) -> None:
         self.calls: dict[int, Call] = {}
-        self.ledger: dict[EpisodeId, list[dict[str, Any]]] = {}
+        self.ledger: dict[EpisodeId, list[Row]] = {}
         self.cuts: dict[EpisodeId, Cut] = {}  # staged by the open checkpoint
         self.restored_cuts: dict[EpisodeId, Cut] = {}  # for the re-issued call of a + 1
         self.restored: set[EpisodeId] = set()  # installed, no call seen yet
+        self.finishing: set[EpisodeId] = set()  # closed while a checkpoint is open
         self.counts: Counter[str] = Counter()
         self.gate = AdmissionGate()
+        # With checkpointing off (no controller) the server passes False:
+        # nothing is recorded, so nothing can grow.
+        self.recording = recording
+        # The controller's retire marks (the server wires them in at attach).
+        self.retired: Callable[[EpisodeId], bool] = lambda episode: False
+        # Called with a finished attempt's rows as they are freed: where a
+        # trainer's collector takes the trajectory (NeMo Gym's token store).
+        self.collect: Callable[[EpisodeId, list[Row]], None] | None = None
         self._served = False
         self._installed = False
         self._next_index = 0
@@ -96,6 +154,10 @@ class PolicyModelParticipant:
         # The cut generations keep running and deliver now: their cuts are moot.
         self.cuts = {}
         self.gate.open()
+        # Attempts closed during the checkpoint were kept for its export.
+        finishing, self.finishing = self.finishing, set()
+        for episode in sorted(finishing, key=lambda e: e.capture_key):
+            self._finish_now(episode)
         self._notify()
 
     def _cut_generations(self) -> dict[EpisodeId, Cut]:
@@ -103,6 +165,8 @@ class PolicyModelParticipant:
         for call in self.calls.values():
             if call.delivering:
                 continue  # delivered before the checkpoint: it goes to the ledger
+            if call.finished or self.retired(call.episode):
+                continue  # its attempt is gone: nothing of it is staged
             held = latest.get(call.episode)
             if held is None or call.index > held.index:
                 latest[call.episode] = call
@@ -111,7 +175,7 @@ class PolicyModelParticipant:
             if not call.tokens:
                 self.counts["cut_skipped"] += 1
                 continue
-            cuts[episode] = Cut(call.digest, list(call.tokens), call.index)
+            cuts[episode] = Cut(call.digest, list(call.tokens), call.index, call.params)
             self.counts["cut"] += 1
         return cuts
 
@@ -144,14 +208,27 @@ class PolicyModelParticipant:
     def fresh(self) -> bool:
         return not self._served and not self._installed
 
+    def table_sizes(self) -> dict[str, int]:
+        """Entries of every per-episode table (all return to 0 when nothing is live)."""
+        return {
+            "calls": len(self.calls),
+            "ledgers": len(self.ledger),
+            "ledger_rows": sum(len(rows) for rows in self.ledger.values()),
+            "cuts": len(self.cuts),
+            "restored_cuts": len(self.restored_cuts),
+            "restored": len(self.restored),
+            "finishing": len(self.finishing),
+        }
+
     async def export(self, scope: Sequence[EpisodeId] | None) -> list[Record]:
-        keys: Iterable[EpisodeId] = (
-            scope
-            if scope is not None
-            else {*self.ledger, *self.cuts, *self.restored_cuts, *self.restored}
-        )
+        if scope is None:
+            # Notes §1.10: the ledger holds every episode it ever served, so
+            # "everything" is never what a checkpoint means.
+            raise InvalidRequest(
+                "the policy model exports only a named scope: the commit needs episode_ids"
+            )
         records = []
-        for episode in dict.fromkeys(keys):
+        for episode in dict.fromkeys(scope):
             rows = self.ledger.get(episode, [])
             cut = self.cuts.get(episode) or self.restored_cuts.get(episode)
             if rows or cut is not None or episode in self.restored:
@@ -179,17 +256,12 @@ class PolicyModelParticipant:
 
     async def retire(self, episode_ids: Sequence[EpisodeId]) -> list[str]:
         covered = retire_scope(episode_ids)
-
         stopping = [c for c in self.calls.values() if covered(c.episode)]
+        for call in stopping:
+            call.finished = True
         keys = {c.episode.capture_key for c in stopping}
         await stop_tasks(c.task for c in stopping)
-        for table in (self.ledger, self.cuts, self.restored_cuts):
-            for episode in [e for e in table if covered(e)]:
-                keys.add(episode.capture_key)
-                del table[episode]
-        for episode in [e for e in self.restored if covered(e)]:
-            keys.add(episode.capture_key)
-            self.restored.discard(episode)
+        keys.update(self._free(covered))
         for index in [i for i, c in self.calls.items() if covered(c.episode)]:
             del self.calls[index]
         self._notify()
@@ -202,24 +274,69 @@ class PolicyModelParticipant:
             self.restored.discard(episode)
             self.ledger.pop(episode, None)
             self.restored_cuts.pop(episode, None)
+        self._notify()
         return [e.capture_key for e in freed]
 
+    def forget(self, rollout_ids: Sequence[str]) -> list[str]:
+        """Free every attempt of rollouts the controller is done with."""
+        covered = _covers_rollouts(rollout_ids)
+        for call in self.calls.values():
+            if covered(call.episode):
+                call.finished = True  # still delivers, but adds no row
+        keys = self._free(covered)
+        self._notify()
+        return sorted(keys)
+
+    def _free(self, covered: Callable[[EpisodeId], bool]) -> set[str]:
+        keys: set[str] = set()
+        for table in (self.ledger, self.cuts, self.restored_cuts):
+            for episode in [e for e in table if covered(e)]:
+                keys.add(episode.capture_key)
+                del table[episode]
+        for members in (self.restored, self.finishing):
+            for episode in [e for e in members if covered(e)]:
+                keys.add(episode.capture_key)
+                members.discard(episode)
+        return keys
+
     # --- data plane ----------------------------------------------------------
-    def admit(self, episode: EpisodeId, digest: str) -> Call:
-        """Admit one call (or refuse it while a checkpoint is open)."""
+    def admit(
+        self,
+        episode: EpisodeId,
+        digest: str,
+        params: str = "",
+        *,
+        position: int | None = None,
+        limit: int | None = None,
+    ) -> Call:
+        """Admit one call (or refuse it while a checkpoint is open or once its
+        attempt is retired).  `params` is the digest of the call's
+        generation-defining parameters, `limit` its output-token limit."""
         if not self.gate.is_open:
             raise AdmissionClosed(f"policy model: a checkpoint is in progress ({episode})")
+        if self.retired(episode):
+            raise StaleAttempt(f"policy model: attempt {episode.capture_key} was retired")
         self._served = True
         self.restored.discard(episode)
-        call = Call(episode, digest, self._next_index, asyncio.current_task())
+        call = Call(
+            episode,
+            digest,
+            self._next_index,
+            asyncio.current_task(),
+            params=params,
+            position=position,
+        )
         self._next_index += 1
-        cut = self.restored_cuts.pop(episode, None)
+        cut = self.restored_cuts.get(episode)
         if cut is not None:
-            if cut.digest == digest:
+            fits = limit is None or len(cut.tokens) <= limit
+            if cut.digest == digest and cut.params == params and fits:
+                del self.restored_cuts[episode]
                 call.tokens = list(cut.tokens)
                 call.continued = len(cut.tokens)
                 self.counts["calls_continued"] += 1
             else:
+                # Kept: a later call of this attempt may be the one it belongs to.
                 self.counts["cut_unmatched"] += 1
         self.calls[call.index] = call
         self._notify()
@@ -234,11 +351,53 @@ class PolicyModelParticipant:
         call.delivering = True
         self._notify()
 
-    def delivered(self, call: Call, row: dict[str, Any]) -> None:
-        self.ledger.setdefault(call.episode, []).append(row)
-        self.drop(call)
+    def delivered(self, call: Call, row: Row) -> None:
+        try:
+            if not self.recording or call.finished or self.retired(call.episode):
+                return  # the attempt is gone (or nothing is recorded): no row
+            rows = self.ledger.setdefault(call.episode, [])
+            if call.position is not None:
+                # A re-issued call replaces the row of its dropped delivery
+                # (and any row after it: the caller's state is before them).
+                rows[:] = [r for r in rows if _position(r) < call.position]
+                row = {**row, "position": call.position}
+            rows.append(row)
+        finally:
+            self.drop(call)
 
     def drop(self, call: Call) -> None:
         if self.calls.pop(call.index, None) is not None:
             call.delivering = False
             self._notify()
+
+    def finish(self, episode: EpisodeId) -> bool:
+        """The caller closed `episode` (done): free it and every earlier attempt.
+
+        While a checkpoint is open the rows stay until resume, so an export of
+        a scope that names the episode still holds them.  True if anything of
+        the attempt was held."""
+        held = (
+            episode in self.ledger or episode in self.restored_cuts or episode in self.restored
+        )
+        covered = retire_scope([episode])
+        for call in self.calls.values():
+            if covered(call.episode):
+                call.finished = True
+        if not self.gate.is_open:
+            self.finishing.add(episode)
+        else:
+            self._finish_now(episode)
+        self._notify()
+        return held
+
+    def _finish_now(self, episode: EpisodeId) -> None:
+        rows = self.ledger.get(episode)
+        self._free(retire_scope([episode]))
+        if rows is not None and self.collect is not None:
+            self.collect(episode, rows)
+
+
+def _position(row: Row) -> int:
+    value = row.get("position")
+    # A row without one (no header) predates every positioned call.
+    return value if isinstance(value, int) else -1

@@ -10,21 +10,44 @@ tokens and text, the tool call and the tool's reply.
 Activations are idempotent per step: a session that already finished step `i`
 answers its stored result, and a restored session in the middle of step `i`
 continues from its last turn boundary.  `POST /ng-rollout/<key>/close` frees
-the session (never refused).  `GET /stats` reports calls, model and tool calls
-made, activations and live sessions.
+the session (never refused) and closes the attempt at the policy model too, so
+the model frees its ledger rows.  `GET /stats` reports calls, model and tool
+calls made, activations and live sessions.
+
+Each model call says its position in the session (`x-ng-model-call`: the
+number of model calls the session made before it).  A response that arrives
+after the agent exported the boundary before the call is dropped with the
+process; the restored session re-issues the call at the same position, and the
+model replaces that row instead of adding one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
 from aiohttp import web
 
 from participants.agent import AgentParticipant, check_session
-from participants.common import ServerBase, episode_of, guarded, json_object, want_int, want_str
-from ray_ckpt.errors import AdmissionClosed, InvalidRequest, NotFound, ParticipantUnavailable
+from participants.common import (
+    MODEL_CALL_HEADER,
+    ServerBase,
+    episode_of,
+    guarded,
+    json_object,
+    want_int,
+    want_str,
+)
+from ray_ckpt.errors import (
+    AdmissionClosed,
+    CheckpointError,
+    InvalidRequest,
+    NotFound,
+    ParticipantUnavailable,
+)
 from ray_ckpt.identity import EpisodeId, rollout_path
 from ray_ckpt.settings import CheckpointSettings
 
@@ -83,6 +106,10 @@ class AgentServer(ServerBase):
         self.model_refusals = 0
         self.tool_calls = 0
         self.activations = 0
+        # Runs inside the model call's replay step, after the reply arrived (a
+        # test seam: a delay here is the window where the model has delivered
+        # but the agent still counts as at the boundary before the call).
+        self.after_model: Callable[[EpisodeId, dict[str, Any]], Awaitable[None]] | None = None
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -132,6 +159,8 @@ class AgentServer(ServerBase):
             # Waiting on the model counts as parked at the boundary before it.
             async with ep.step("replay", name=f"model-{snap['step']}.{snap['turn']}"):
                 reply = await self._model(episode, snap["messages"])
+                if self.after_model is not None:
+                    await self.after_model(episode, reply)
             text, tokens, call = parse_output(reply)
             args = orjson.loads(call["arguments"] or "{}")
             async with ep.step("wait", name=f"tool-{snap['step']}.{snap['turn']}") as st:
@@ -169,10 +198,11 @@ class AgentServer(ServerBase):
             "tools": TOOLS,
             "max_output_tokens": self.tokens_per_turn,
         }
+        headers = {MODEL_CALL_HEADER: str(model_calls_in(messages))}
         while True:
             self.model_calls += 1
             try:
-                reply, _ = await self.downstream.post(url, body)
+                reply, _ = await self.downstream.post(url, body, headers)
                 return reply
             except AdmissionClosed:
                 # The model is checkpointing: retry after its resume.
@@ -181,7 +211,14 @@ class AgentServer(ServerBase):
 
     async def close(self, request: web.Request) -> web.Response:
         self.calls["close"] += 1
-        return web.json_response({"closed": self.participant.close(episode_of(request))})
+        episode = episode_of(request)
+        closed = self.participant.close(episode)
+        # The episode is done: the model frees the attempt's ledger.  Best
+        # effort, as the environment's close is (a lost close is freed by
+        # retire or forget); the model may hold rows the agent never had.
+        with contextlib.suppress(CheckpointError):
+            await self.downstream.post(f"{self.model_url}{rollout_path(episode, '/close')}", {})
+        return web.json_response({"closed": closed})
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -193,6 +230,11 @@ class AgentServer(ServerBase):
             "sessions": self.participant.session_count(),
             "live_activations": self.participant.live_executions(),
         }
+
+
+def model_calls_in(messages: list[Any]) -> int:
+    """How many model calls a session made: one assistant message each."""
+    return sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
 
 
 def parse_output(reply: dict[str, Any]) -> tuple[str, list[int], dict[str, Any]]:

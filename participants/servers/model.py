@@ -9,21 +9,60 @@ checkpoint closes and a continued prefix yields exactly the tokens an
 uninterrupted run would.  When the request offers tools, the output ends in a
 `function_call` chosen from the tokens.  `GET /stats` reports calls, tokens
 generated and continued, cuts, live calls and ledger entries.
+
+`POST /ng-rollout/<key>/close` says the caller is done with the attempt (the
+agent sends it when the environment closes the session): the attempt's ledger
+rows are handed to `participant.collect` and freed (never refused).
+
+A generation is defined by its conversation (`model`, `input`, `tools`: the
+tokens are a function of it) and its generation parameters (everything else
+in the body but the fields in `NON_GENERATION_FIELDS`, with the effective
+`max_output_tokens`): a restored cut continues only a call whose both match.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
 
-from participants.common import ServerBase, digest, episode_of, guarded, json_object
+from participants.common import (
+    MODEL_CALL_HEADER,
+    ServerBase,
+    digest,
+    episode_of,
+    guarded,
+    json_object,
+)
 from participants.policy_model import Call, PolicyModelParticipant
 from ray_ckpt.errors import InvalidRequest
 from ray_ckpt.settings import CheckpointSettings
+
+if TYPE_CHECKING:
+    from ray_ckpt.control.controller import ParticipantController
+
+CONVERSATION_FIELDS = ("model", "input", "tools")
+# Request fields that cannot change which tokens come out (bookkeeping and
+# transport).  Every other field counts as generation-defining, so a field this
+# list does not know costs a regeneration, never a wrong continuation.
+NON_GENERATION_FIELDS = frozenset(
+    {
+        "metadata",
+        "user",
+        "store",
+        "stream",
+        "stream_options",
+        "service_tier",
+        "include",
+        "background",
+        "prompt_cache_key",
+        "safety_identifier",
+    }
+)
+MAX_CALL_POSITION = 1_000_000
 
 VOCAB = [
     "the",
@@ -92,15 +131,27 @@ class ModelServer(ServerBase):
         self.seed = seed
         self.tokens_per_turn = tokens_per_turn
         self.token_delay_s = token_delay_s
-        self.participant = PolicyModelParticipant()
+        # Nothing is recorded until a controller attaches (checkpointing on).
+        self.participant = PolicyModelParticipant(recording=False)
         self.generated = 0
         self.continued = 0
+
+    def attach(self, controller: ParticipantController) -> None:
+        super().attach(controller)
+        self.participant.recording = True
+        # Read through the controller: its marks object is a public attribute.
+        self.participant.retired = lambda episode: controller.retired.is_retired(episode)
 
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/ng-rollout/{key}/v1/responses", guarded(self.responses))
+        app.router.add_post("/ng-rollout/{key}/close", guarded(self.close))
         app.router.add_get("/stats", self.stats_route)
         return app
+
+    async def close(self, request: web.Request) -> web.Response:
+        self.calls["close"] += 1
+        return web.json_response({"closed": self.participant.finish(episode_of(request))})
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         self.calls["responses"] += 1
@@ -116,11 +167,19 @@ class ModelServer(ServerBase):
         limit = body.get("max_output_tokens", self.tokens_per_turn)
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 4096:
             raise InvalidRequest("'max_output_tokens' must be an integer in [1, 4096]")
+        position = call_position(request)
         conversation = digest({"model": body.get("model"), "input": items, "tools": tools})
-        call = self.participant.admit(episode, conversation)
+        params = generation_params(body, limit)
+        # After the last await before admission: a retire that ran while the
+        # body was arriving is seen here (admit checks the marks again).
+        self.check_attempt(episode)
+        call = self.participant.admit(
+            episode, conversation, params, position=position, limit=limit
+        )
         try:
             await self._generate(call, limit)
             await self.participant.hold(call)
+            self.check_attempt(episode)  # retired while it generated or was held
             self.participant.deliver(call)
             reply = self._response(call, tools, len(items))
             resp = web.StreamResponse(headers={"Content-Type": "application/json"})
@@ -184,11 +243,33 @@ class ModelServer(ServerBase):
             # Tokens so far of each undelivered call: how far a cut would reach.
             "in_flight_tokens": sorted(len(c.tokens) for c in p.calls.values() if not c.delivering),
             "ledger_entries": sum(len(rows) for rows in p.ledger.values()),
+            "finishing": len(p.finishing),
             "ledgers": len(p.ledger),
             "cuts": len(p.cuts),
             "restored_cuts": len(p.restored_cuts),
             "counts": dict(p.counts),
         }
+
+
+def call_position(request: web.Request) -> int | None:
+    """The caller's position of this call (`x-ng-model-call`), if it sent one."""
+    raw = request.headers.get(MODEL_CALL_HEADER)
+    if raw is None:
+        return None
+    if not (raw.isascii() and raw.isdigit()) or int(raw) > MAX_CALL_POSITION:
+        raise InvalidRequest(f"{MODEL_CALL_HEADER} must be an integer in [0, {MAX_CALL_POSITION}]")
+    return int(raw)
+
+
+def generation_params(body: dict[str, Any], limit: int) -> str:
+    """Digest of what, besides the conversation, decides the generated tokens."""
+    params = {
+        k: v
+        for k, v in body.items()
+        if k not in CONVERSATION_FIELDS and k not in NON_GENERATION_FIELDS
+    }
+    params["max_output_tokens"] = limit  # absent and default are the same limit
+    return digest(params)
 
 
 def model_server(
