@@ -243,7 +243,13 @@ class ParticipantController:
     async def forget(self, req: ForgetRequest) -> dict[str, Any]:
         async with self._lock:
             self.state.admit("forget", req.checkpoint_id)
-            return {"forgotten": self.retired.forget(req.rollout_ids)}
+            forgotten = self.retired.forget(req.rollout_ids)
+            # Optional hook: a participant that keeps per-rollout state past
+            # the episode (the policy model's ledger) frees it with the marks.
+            hook = getattr(self.participant, "forget", None)
+            if hook is not None:
+                hook(list(req.rollout_ids))
+            return {"forgotten": forgotten}
 
     # --- lease ---------------------------------------------------------------
     async def check_lease(self) -> bool:
