@@ -16,12 +16,15 @@ next step) after each (reference notes §2.4, §1.14):
 
 A restored episode is continued by `/run` for attempt + 1 of the same task,
 which claims the boundary exactly once; a continuation whose task differs is
-refused.  The participant hooks are the `EpisodeSteps` ones.
+refused in `EpisodeSteps.begin` (`expect_task`), before anything changes, so
+the restored boundary stays for the correct continuation.  The participant
+hooks are the `EpisodeSteps` ones.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from participants.common import digest
@@ -51,6 +54,17 @@ class Downstream(Protocol):
 
 def task_digest(task: dict[str, Any]) -> str:
     return digest(task)
+
+
+def expect_task(task: dict[str, Any]) -> Callable[[Any], None]:
+    """The `begin(expect=...)` check: a restored boundary belongs to this task."""
+    d = task_digest(task)
+
+    def check(boundary: Any) -> None:
+        if not isinstance(boundary, dict) or boundary.get("task_digest") != d:
+            raise InvalidRequest("the episode was restored for a different task")
+
+    return check
 
 
 def final_guess(steps: list[Any]) -> int | None:

@@ -18,14 +18,16 @@ def stage_records(records: Sequence[Record], parse: Callable[[Record], T]) -> di
     """Validate every record (its key, its state through `parse`, one per rollout)
     and return the states keyed by attempt + 1; installs nothing."""
     staged: dict[EpisodeId, T] = {}
+    rollouts: set[str] = set()  # a set, so the check stays linear in the records
     for record in records:
         try:
             episode = EpisodeId.from_capture_key(record.key)
         except InvalidRequest as exc:
             raise InvalidCheckpointState(f"record key: {exc.detail}") from None
         state = parse(record)
-        if any(e.rollout_id == episode.rollout_id for e in staged):
+        if episode.rollout_id in rollouts:
             raise InvalidCheckpointState(f"rollout {episode.rollout_id} is restored twice")
+        rollouts.add(episode.rollout_id)
         staged[episode.next()] = state
     return staged
 

@@ -13,13 +13,15 @@ live and restored episodes.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import Counter
 from typing import Any
 
 from aiohttp import web
 
 from participants.common import ServerBase, guarded, json_object, want_int, want_str
-from participants.environment import drive, environment_participant
+from participants.environment import drive, environment_participant, expect_task
+from ray_ckpt.clock import SYSTEM_CLOCK, Clock
 from ray_ckpt.errors import CheckpointError, InvalidRequest
 from ray_ckpt.identity import EpisodeId, rollout_path
 from ray_ckpt.settings import CheckpointSettings
@@ -39,7 +41,21 @@ def parse_task(body: dict[str, Any]) -> tuple[EpisodeId, dict[str, Any]]:
     want_str(task, "task_id")
     want_int(task, "seed")
     want_int(task, "steps", low=1, high=MAX_STEPS)
+    deadline_of(task)
     return episode, task
+
+
+def deadline_of(task: dict[str, Any]) -> float | None:
+    """`task.deadline_s`: absent or null, or a finite number of seconds > 0."""
+    value = task.get("deadline_s")
+    if value is None:
+        return None
+    # bool is an int subclass: `true` must not mean one second.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequest(f"'deadline_s' must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidRequest(f"'deadline_s' must be finite and > 0, got {value!r}")
+    return float(value)
 
 
 class EnvironmentServer(ServerBase):
@@ -52,12 +68,13 @@ class EnvironmentServer(ServerBase):
         agent_url: str,
         resources_url: str,
         episode_timeout_s: float | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         super().__init__(name)
         self.agent_url = agent_url.rstrip("/")
         self.resources_url = resources_url.rstrip("/")
         self.episode_timeout_s = episode_timeout_s
-        self.steps = EpisodeSteps()
+        self.steps = EpisodeSteps(clock=clock)
         self.participant = environment_participant(self.steps)
         self.counters: Counter[str] = Counter()
 
@@ -71,7 +88,12 @@ class EnvironmentServer(ServerBase):
         self.calls["run"] += 1
         episode, task = parse_task(await json_object(request))
         self.check_attempt(episode)
-        ep = self.steps.begin(episode, deadline_s=task.get("deadline_s", self.episode_timeout_s))
+        deadline_s = deadline_of(task)
+        ep = self.steps.begin(
+            episode,
+            deadline_s=self.episode_timeout_s if deadline_s is None else deadline_s,
+            expect=expect_task(task),
+        )
         reply: dict[str, Any] = {
             "episode_id": {"rollout_id": episode.rollout_id, "attempt": episode.attempt},
             "task_id": task["task_id"],

@@ -41,18 +41,28 @@ class StepOwner(Protocol):
 
     def _mark_restart(self, ep: Episode) -> None: ...
 
-    def _free(self, ep: Episode) -> None: ...
+    def _moved(self, ep: Episode) -> None: ...
+
+    def _free(self, ep: Episode, *, completed: bool) -> None: ...
 
 
 class Restored:
-    """A restored boundary waiting for (or handed to) its replacement attempt."""
+    """A restored boundary waiting for (or handed to) its replacement attempt.
 
-    __slots__ = ("boundary", "claimed", "state", "step_index")
+    The entry stays installed until its replacement records a boundary of its
+    own (or completes): a replacement that is refused or fails first leaves it
+    exactly as installed, so the next correct continuation still starts here.
+    """
+
+    __slots__ = ("boundary", "claimed", "spent_s", "state", "step_index")
 
     def __init__(self, state: dict[str, Any]) -> None:
-        self.state = state  # the record's state, re-exported as is until claimed
+        self.state = state  # the record's state, re-exported as is until moved on
         self.boundary: Any = state["boundary"]
         self.step_index: int = state["step"]
+        # Deadline seconds the earlier attempts already used: a continuation
+        # goes on with the budget that was left, never a fresh full one.
+        self.spent_s: float = float(state.get("spent_s", 0.0))
         self.claimed = False
 
 
@@ -114,10 +124,19 @@ class Episode:
         self.current: Step | None = None
         self.restart = False
         self.retire_requested = False
+        self.park_cancelled = False  # cancelled (not by its deadline): never park again
+        self.deadline_fired = False  # its own DeadlineScope cancelled it
         self.closed = False
         self._boundary = boundary
         self._held: Any = _UNSET  # a replay step's boundary, held until reopen
         self._restored = restored
+        # True while this attempt still stands on its restored entry (it has
+        # recorded no boundary of its own yet).
+        self.on_restored = restored is not None
+        # A wait step ended without recording a boundary: until the next
+        # park point the exported boundary may be behind the step's effects.
+        self.unrecorded_wait: str | None = None
+        self._spent_before = restored.spent_s if restored is not None else 0.0
         self._started = now
         self._paused_since: float | None = None
         self._paused_total = 0.0
@@ -135,6 +154,8 @@ class Episode:
             self.current.boundary(state)
         else:
             self._boundary = state
+            self.unrecorded_wait = None
+            self._steps._moved(self)
 
     def claim(self) -> Any:
         """The restored boundary, handed over exactly once (else None)."""
@@ -170,8 +191,9 @@ class Episode:
         return self._paused_total + open_interval
 
     def elapsed(self) -> float:
-        """Seconds charged against the deadline: wall time minus parked time."""
-        return self._steps.clock.now() - self._started - self.parked_s()
+        """Seconds charged against the deadline: wall time minus parked time,
+        plus what the earlier attempts of a restored episode used."""
+        return self._spent_before + self._steps.clock.now() - self._started - self.parked_s()
 
     def remaining(self) -> float:
         """Seconds left of the deadline (parked time excluded); inf without one."""
@@ -186,10 +208,16 @@ class Episode:
     def _sync_pause(self, admission_open: bool, now: float) -> None:
         # Parked, or in a replay step the closed checkpoint does not wait for:
         # either way the episode is held for the checkpoint, not working late.
-        paused = not self.restart and (
-            self.state is EpisodeState.PARKED
-            or (self.state is EpisodeState.REPLAY_STEP and not admission_open)
-        )
+        # A restart never parks here, but every call it makes downstream waits
+        # at a closed gate (agent activation, model admission, resources
+        # enter); the environment closes first and reopens last, so its
+        # closed window covers every downstream one and is not charged.
+        if self.restart:
+            paused = not admission_open
+        else:
+            paused = self.state is EpisodeState.PARKED or (
+                self.state is EpisodeState.REPLAY_STEP and not admission_open
+            )
         if paused and self._paused_since is None:
             self._paused_since = now
         elif not paused and self._paused_since is not None:
@@ -203,20 +231,26 @@ class Episode:
     # --- lifetime --------------------------------------------------------------
 
     def close(self) -> None:
-        """End the episode and free its state now (idempotent)."""
-        self._steps._free(self)
+        """End the episode and free its state now (idempotent).
 
-    async def finish(self) -> None:
+        An attempt that never moved past its restored boundary leaves the
+        restored entry installed (claimable, exported, fenced) for the next
+        continuation.
+        """
+        self._steps._free(self, completed=False)
+
+    async def finish(self, *, completed: bool = True) -> None:
         """End the episode at a park point, then free it.
 
         While admission is closed the episode may already be exported at its
-        last boundary, so its result must not leave before reopen: either
-        the checkpoint continues it or the caller gets it, never both.
+        last boundary, so no outcome (result or failure) may leave before
+        reopen: either the checkpoint continues it or the caller gets it,
+        never both.
         """
         try:
             await self._steps._park(self)
         finally:
-            self.close()
+            self._steps._free(self, completed=completed)
 
     async def __aenter__(self) -> Episode:
         return self
@@ -227,10 +261,9 @@ class Episode:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc_type is None:
-            await self.finish()
-        else:
-            self.close()
+        # A failure is an outcome too: it waits at the park point like a
+        # result (a retire's cancel does not wait: `_park` lets it through).
+        await self.finish(completed=exc_type is None)
 
     def __repr__(self) -> str:
         return f"Episode({self.key}, {self.state.value}, step={self.step_index})"
@@ -274,6 +307,7 @@ class DeadlineScope:
             self._schedule()
         elif self._task is not None and not self._task.done():
             self._fired = True
+            self._episode.deadline_fired = True
             self._task.cancel()
 
     async def __aexit__(

@@ -1,13 +1,17 @@
 """What leaves an episode table: readiness reports and checkpoint records.
 
-A record's state is ``{"boundary": <JSON>, "step": <index of the next step>}``.
-A restored episode whose replacement has not begun is exported again with the
-state it was restored from, under the replacement attempt's key.
+A record's state is ``{"boundary": <JSON>, "step": <index of the next step>}``
+plus, for an episode with a deadline, ``"spent_s"``: the deadline seconds its
+attempts have used so far (parked time excluded).  A restored episode whose
+replacement has not moved on is exported again with the state it was restored
+from, under the replacement attempt's key.  At most one attempt per rollout is
+ever exported, so a committed checkpoint is always restorable.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -18,6 +22,14 @@ from ray_ckpt.identity import EpisodeId
 from ray_ckpt.steps.episode import Episode, Restored
 from ray_ckpt.steps.modes import BLOCKING, EpisodeState
 from ray_ckpt.storage.record import Record, check_json
+
+
+class EpisodeNotHeld(InvalidPhase):
+    """A commit's scope names an episode served during this checkpoint that is gone."""
+
+
+class RolloutExportedTwice(InvalidPhase):
+    """Two attempts of one rollout would be exported: the checkpoint could not restore."""
 
 
 def build_report(
@@ -64,7 +76,8 @@ def export_records(
     unclaimed: list[tuple[EpisodeId, Restored]] = []
     if scope is None:
         eps = [ep for ep in live.values() if not ep.restart]
-        unclaimed = list(restored.items())
+        # A live replacement exports its restored entry's boundary itself.
+        unclaimed = [(eid, r) for eid, r in restored.items() if eid not in live]
     else:
         for eid in dict.fromkeys(scope):
             ep = live.get(eid)
@@ -75,15 +88,33 @@ def export_records(
             elif eid in restored:
                 unclaimed.append((eid, restored[eid]))
             # Anything else is served elsewhere: a scope names the whole job.
+    _one_attempt_per_rollout([ep.id for ep in eps] + [eid for eid, _ in unclaimed])
     records = []
     for ep in eps:
         if ep.state in BLOCKING:
             raise InvalidPhase(f"episode {ep.key} is not at a boundary ({ep.state.value})")
         boundary = check_json(ep.boundary_state, episode=ep.key)
-        records.append(Record(ep.key, {"boundary": boundary, "step": ep.step_index}))
+        state: dict[str, Any] = {"boundary": boundary, "step": ep.step_index}
+        if ep.deadline_s is not None:
+            # The budget it used so far; the restored attempt continues with
+            # what is left (`Episode.remaining`), never a fresh full one.
+            state["spent_s"] = ep.elapsed()
+        records.append(Record(ep.key, state))
     records.extend(Record(eid.capture_key, r.state) for eid, r in unclaimed)
     records.sort(key=lambda r: r.key)
     return records
+
+
+def _one_attempt_per_rollout(ids: Iterable[EpisodeId]) -> None:
+    seen: dict[str, EpisodeId] = {}
+    for eid in ids:
+        other = seen.setdefault(eid.rollout_id, eid)
+        if other != eid:
+            first, second = sorted((other, eid))
+            raise RolloutExportedTwice(
+                f"rollout {eid.rollout_id}: attempts {first.capture_key} and "
+                f"{second.capture_key} are both live here; retire the older one first"
+            )
 
 
 def stage_records(records: Iterable[Record], taken: set[str]) -> dict[EpisodeId, Restored]:
@@ -115,5 +146,13 @@ def _validate(record: Record) -> tuple[EpisodeId, dict[str, Any]]:
     step = state.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise InvalidCheckpointState(f"episode {eid}: record 'step' must be an integer >= 0")
+    spent = state.get("spent_s", 0.0)
+    if (
+        isinstance(spent, bool)
+        or not isinstance(spent, int | float)
+        or not math.isfinite(spent)
+        or spent < 0
+    ):
+        raise InvalidCheckpointState(f"episode {eid}: record 'spent_s' must be a number >= 0")
     check_json(state["boundary"], episode=eid.capture_key)
     return eid, state

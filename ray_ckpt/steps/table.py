@@ -24,7 +24,7 @@ from ray_ckpt.identity import EpisodeId
 from ray_ckpt.steps.attempts import AttemptIndex
 from ray_ckpt.steps.episode import _UNSET, Episode, Restored, Step
 from ray_ckpt.steps.modes import BLOCKING, EpisodeState, StepMode
-from ray_ckpt.steps.persist import build_report, export_records, stage_records
+from ray_ckpt.steps.persist import EpisodeNotHeld, build_report, export_records, stage_records
 from ray_ckpt.storage.record import Record
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,11 @@ class EpisodeSteps:
         self._opened = asyncio.Event()
         self._opened.set()
         self._served = False
+        # Episodes live at any moment of the current closed window; an
+        # episode named by a commit's scope that one of these no longer
+        # holds lost its capture, and the commit must say so.
+        self._served_closed: set[EpisodeId] = set()
+        self._retired_closed: set[EpisodeId] = set()
         self._notify: Callable[[], None] | None = None
 
     # --- controller side -------------------------------------------------------
@@ -58,6 +63,9 @@ class EpisodeSteps:
 
     def close_admission(self) -> None:
         """Idempotent.  Steps not yet started wait; replay steps stop the clock."""
+        if self._open:
+            self._served_closed = set(self._live)
+            self._retired_closed = set()
         self._open = False
         self._opened.clear()
         self._resync_pauses()
@@ -86,23 +94,30 @@ class EpisodeSteps:
 
     def restored_ids(self) -> list[EpisodeId]:
         """Restored episodes whose replacement has not begun, by that attempt."""
-        return sorted(self._restored)
+        return sorted(eid for eid in self._restored if eid not in self._live)
 
     def report(self, limit: int = MAX_REPORTED_BLOCKERS) -> PrepareReport:
-        return build_report(
-            self._live.values(), self._counts, len(self._restored), limit, self.clock.now()
-        )
+        waiting = sum(1 for eid in self._restored if eid not in self._live)
+        return build_report(self._live.values(), self._counts, waiting, limit, self.clock.now())
 
     # --- handler side ----------------------------------------------------------
 
     def begin(
-        self, episode_id: EpisodeId, *, deadline_s: float | None = None, boundary: Any = None
+        self,
+        episode_id: EpisodeId,
+        *,
+        deadline_s: float | None = None,
+        boundary: Any = None,
+        expect: Callable[[Any], None] | None = None,
     ) -> Episode:
         """Open an episode attempt bound to the current task.
 
         While admission is closed only the replacement of a restored episode
         may begin; it starts at the restored boundary (which wins over
-        `boundary`) and is exported as such until it moves on.
+        `boundary`) and is exported as such until it moves on.  `expect` is
+        called with a restored boundary before anything changes and refuses a
+        mismatched continuation by raising (a `CheckpointError`, typically
+        `InvalidRequest`); the restored entry then stays exactly as installed.
         """
         if deadline_s is not None and not deadline_s > 0:
             raise InvalidRequest(f"deadline_s must be > 0, got {deadline_s!r}")
@@ -110,12 +125,15 @@ class EpisodeSteps:
         restored = self._restored.get(episode_id)
         if restored is None and not self._open:
             raise AdmissionClosed(f"episode {episode_id}: a checkpoint is in progress")
+        if restored is not None and expect is not None:
+            expect(restored.boundary)
         try:
             task = asyncio.current_task()
         except RuntimeError:
             task = None
         if restored is not None:
-            del self._restored[episode_id]
+            # Not removed: it stays installed until the replacement moves on.
+            restored.claimed = False
             boundary = restored.boundary
         ep = Episode(
             self,
@@ -129,7 +147,9 @@ class EpisodeSteps:
         )
         self._served = True
         self._live[episode_id] = ep
-        if restored is None:  # a replacement takes over its restored entry's slot
+        if not self._open:
+            self._served_closed.add(episode_id)
+        if restored is None:  # a replacement shares its restored entry's slot
             self._attempts.add(episode_id)
         self._counts[ep.state] += 1
         self._changed()
@@ -146,15 +166,14 @@ class EpisodeSteps:
             raise StaleAttempt(f"episode {episode_id}: attempt {newest} supersedes it")
 
     def claim(self, episode_id: EpisodeId) -> Any:
-        """Hand a restored boundary to the replacement attempt, exactly once."""
+        """Hand a restored boundary to the live replacement attempt, exactly once.
+
+        Only a live attempt is handed anything: before the replacement begins
+        this returns None and changes nothing, so the boundary its handler
+        starts from is always the one it exports.
+        """
         ep = self._live.get(episode_id)
-        if ep is not None:
-            return ep.claim()
-        restored = self._restored.get(episode_id)
-        if restored is None or restored.claimed:
-            return None
-        restored.claimed = True
-        return restored.boundary
+        return ep.claim() if ep is not None else None
 
     async def _enter_step(self, ep: Episode, step: Step) -> None:
         if ep.closed:
@@ -166,8 +185,12 @@ class EpisodeSteps:
             await self._park(ep)
         except BaseException:
             ep.current = None
-            self._transition(ep, EpisodeState.RUNNING)
+            if self._open or ep.retire_requested:
+                self._transition(ep, EpisodeState.RUNNING)
+            # else: interrupted while parked under a closed checkpoint; it is
+            # still at its boundary, and the episode's end parks again.
             raise
+        ep.unrecorded_wait = None  # the episode reached this step's start
         step.started = self.clock.now()
         self._transition(ep, _STEP_STATE[step.mode])
 
@@ -176,45 +199,80 @@ class EpisodeSteps:
         if ep.closed:
             return
         if error is not None:
-            # The step's effects are unknown: keep the boundary before it.  A
-            # replay step the checkpoint counted as parked stays parked, so a
-            # failure cannot make a prepared participant unready again.
-            if (
-                step.mode is StepMode.REPLAY
-                and not isinstance(error, asyncio.CancelledError)
-                and not ep.retire_requested
-            ):
-                try:
-                    await self._park(ep)
-                finally:
-                    self._transition(ep, EpisodeState.RUNNING)
-            else:
+            # The step's effects are unknown: keep the boundary before it.
+            if isinstance(error, asyncio.CancelledError) and not ep.deadline_fired:
+                # A cancel that is not the episode's own deadline (shutdown, a
+                # dropped caller; a retire is let through by `_park` anyway)
+                # must end the task, so it never parks; but under a closed
+                # checkpoint the episode stays at its boundary, so a prepared
+                # participant does not turn unready on the way out.
+                ep.park_cancelled = True
+                self._transition(
+                    ep, EpisodeState.RUNNING if self._open else EpisodeState.PARKED
+                )
+                return
+            # Any other failure (the deadline inside a wait step included) is
+            # an outcome: it waits here, parked at that boundary, until
+            # admission reopens, so a prepared participant stays ready and the
+            # caller never holds a failure for an episode a checkpoint also
+            # continues.
+            try:
+                await self._park(ep)
+            finally:
                 self._transition(ep, EpisodeState.RUNNING)
             return
         if step.recorded:
+            ep.unrecorded_wait = None
             if step.mode is StepMode.REPLAY and not self._open and not ep.restart:
                 # The closed checkpoint counts this episode as parked before the
                 # step; the step's boundary takes effect only once it reopens.
                 ep._held = step._pending
             else:
-                ep._boundary = step._pending
-                ep.step_index = step.index + 1
+                self._record(ep, step._pending, step.index + 1)
+        elif step.mode is StepMode.WAIT and not ep.restart:
+            # A wait step that recorded no boundary may still be followed by
+            # `ep.boundary(...)` outside it (misuse): the boundary before the
+            # step is then not safe to export.  Do not park here; the closed
+            # checkpoint keeps waiting for the next park point (the next step
+            # or the end), by when any boundary the step reached is recorded.
+            ep.unrecorded_wait = step.name
+            self._transition(ep, EpisodeState.RUNNING)
+            return
         try:
             # A step that records no boundary leaves the episode where it was.
             await self._park(ep)
         finally:
             if ep._held is not _UNSET and self._open:
-                ep._boundary, ep._held = ep._held, _UNSET
-                ep.step_index = step.index + 1
+                held, ep._held = ep._held, _UNSET
+                self._record(ep, held, step.index + 1)
             self._transition(ep, EpisodeState.RUNNING)
 
+    def _record(self, ep: Episode, boundary: Any, step_index: int) -> None:
+        ep._boundary = boundary
+        ep.step_index = step_index
+        self._moved(ep)
+
+    def _moved(self, ep: Episode) -> None:
+        """The episode recorded a boundary of its own: its restored entry is spent."""
+        if ep.on_restored:
+            ep.on_restored = False
+            if self._restored.get(ep.id) is ep._restored:
+                del self._restored[ep.id]  # the live attempt keeps the attempt slot
+
     async def _park(self, ep: Episode) -> None:
-        if ep.restart or ep.closed or ep.retire_requested or self._open:
+        if ep.restart or ep.closed or ep.retire_requested or ep.park_cancelled or self._open:
             return
         self._transition(ep, EpisodeState.PARKED)
         # A checkpoint that closes again before the episode wakes keeps it parked.
-        while not self._open:
-            await self._opened.wait()
+        try:
+            while not self._open:
+                await self._opened.wait()
+        except asyncio.CancelledError:
+            # Cancelled while parked (shutdown, a dropped caller): stop parking,
+            # or the cancel would be swallowed by the next park point.  If
+            # the episode then ends, a commit naming it fails (`EpisodeNotHeld`).
+            ep.park_cancelled = True
+            raise
 
     def _mark_restart(self, ep: Episode) -> None:
         if not self._open:
@@ -235,7 +293,22 @@ class EpisodeSteps:
         """
         if self._open:
             raise InvalidPhase("export needs admission closed")
+        if scope is not None:
+            self._check_held(scope)
         return export_records(self._live, self._restored, scope)
+
+    def _check_held(self, scope: Sequence[EpisodeId]) -> None:
+        for eid in scope:
+            if (
+                eid in self._served_closed
+                and eid not in self._live
+                and eid not in self._restored
+                and eid not in self._retired_closed
+            ):
+                raise EpisodeNotHeld(
+                    f"episode {eid.capture_key} was served during this checkpoint but is no "
+                    "longer held here: its capture is lost"
+                )
 
     def install(self, records: Sequence[Record]) -> list[EpisodeId]:
         """Validate every record, then install each under attempt + 1."""
@@ -254,7 +327,11 @@ class EpisodeSteps:
         freed = [eid for eid in self._restored if eid not in kept]
         for eid in freed:
             del self._restored[eid]
-            self._attempts.remove(eid)
+            ep = self._live.get(eid)
+            if ep is not None:
+                ep.on_restored = False  # a live replacement keeps the attempt slot
+            else:
+                self._attempts.remove(eid)
         if freed:
             self._changed()
         return sorted(eid.capture_key for eid in freed)
@@ -279,15 +356,21 @@ class EpisodeSteps:
         keys: set[str] = set()
         for eid in [eid for eid in self._restored if covered(eid)]:
             del self._restored[eid]
-            self._attempts.remove(eid)
+            live = self._live.get(eid)
+            if live is not None:
+                live.on_restored = False  # freed with its live attempt below
+            else:
+                self._attempts.remove(eid)
             keys.add(eid.capture_key)
         me = asyncio.current_task()
         stopping: set[asyncio.Task[Any]] = set()
         for ep in [ep for eid, ep in self._live.items() if covered(eid)]:
             keys.add(ep.key)
+            if not self._open:
+                self._retired_closed.add(ep.id)
             task = ep.task
             if task is None or task.done() or task is me:
-                self._free(ep)
+                self._free(ep, completed=False)
                 continue
             if not ep.retire_requested:
                 ep.retire_requested = True
@@ -304,7 +387,7 @@ class EpisodeSteps:
         return sorted(keys)
 
     def _stopped(self, ep: Episode, _task: asyncio.Task[Any]) -> None:
-        self._free(ep)
+        self._free(ep, completed=False)
 
     # --- bookkeeping -----------------------------------------------------------
 
@@ -328,15 +411,24 @@ class EpisodeSteps:
         for ep in self._live.values():
             ep._sync_pause(self._open, now)
 
-    def _free(self, ep: Episode) -> None:
+    def _free(self, ep: Episode, *, completed: bool) -> None:
         if ep.closed:
             return
         ep._sync_pause(True, self.clock.now())
         ep.closed = True
+        if ep.on_restored and completed:
+            # Its outcome left from the restored boundary: the entry is spent.
+            self._moved(ep)
         if self._live.get(ep.id) is ep:
             del self._live[ep.id]
-            self._attempts.remove(ep.id)
             self._counts[ep.state] -= 1
+            restored = ep._restored
+            if ep.on_restored and restored is not None and self._restored.get(ep.id) is restored:
+                # Refused or failed before a boundary of its own: the restored
+                # entry stays installed, fenced and claimable.
+                restored.claimed = False
+            else:
+                self._attempts.remove(ep.id)
         self._changed()
 
     def _changed(self) -> None:

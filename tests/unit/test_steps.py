@@ -263,11 +263,14 @@ async def test_claim_hands_a_restored_boundary_over_exactly_once() -> None:
     steps.install([Record("r1-a2", {"boundary": ["x", 1], "step": 4})])
     nxt = EpisodeId("r1", 3)
     assert steps.claim(EpisodeId("r1", 2)) is None
-    assert steps.claim(nxt) == ["x", 1]
+    # Before the replacement begins nothing is handed over (and nothing
+    # consumed): the boundary a handler starts from is the one it exports.
     assert steps.claim(nxt) is None
     ep = steps.begin(nxt)
-    assert ep.claim() is None  # already handed over before begin
     assert ep.boundary_state == ["x", 1]
+    assert steps.claim(nxt) == ["x", 1]  # the live replacement's own claim
+    assert ep.claim() is None
+    assert steps.claim(nxt) is None
     ep.close()
 
 
