@@ -1,9 +1,14 @@
 """The ASGI front of the control routes, for ASGI apps (e.g. FastAPI).
 
 `ControlASGIMiddleware` answers the control paths itself and hands every
-other request to the wrapped app untouched.  It shares `_Gate` with the
-aiohttp routes (`ray_ckpt.control.routes`), so both fronts check auth, body
-size and errors the same way; only the ASGI message handling lives here.
+other request to the wrapped app.  It shares `_Gate` with the aiohttp routes
+(`ray_ckpt.control.routes`), so both fronts check auth, body size and errors
+the same way; only the ASGI message handling lives here.  Under the data
+plane's `/ng-rollout/` prefix it also keeps the error contract the aiohttp
+front keeps: a malformed capture key is 400 `invalid_request` before the app
+sees it, and a 404/405 the app's framework answers in its own shape (FastAPI's
+`{"detail": "Not Found"}`) becomes the `{"error": {"code", "detail"}}`
+envelope; every other reply passes through untouched.
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ from ray_ckpt.control.routes import (
     _Gate,
     is_control_path,
 )
-from ray_ckpt.errors import InvalidRequest
-from ray_ckpt.identity import parse_rollout_path
+from ray_ckpt.errors import InvalidRequest, Reason
+from ray_ckpt.identity import ROLLOUT_PATH_PREFIX, parse_rollout_path
 from ray_ckpt.settings import CheckpointSettings
 
 Scope = MutableMapping[str, Any]
@@ -30,6 +35,11 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+_DATA_PREFIX = f"/{ROLLOUT_PATH_PREFIX}/"
+_UNMATCHED = {404: Reason.NOT_FOUND, 405: Reason.METHOD_NOT_ALLOWED}
+# A framework's own 404/405 body is small; a larger one is passed through as is.
+_MAX_REWRITE = 64 * 1024
 
 
 class ControlASGIMiddleware:
@@ -61,11 +71,14 @@ class ControlASGIMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = _route_path(scope) if scope["type"] == "http" else None
         if path is None or not is_control_path(path):
-            rejected = None if path is None else _malformed_data_key(path)
+            if path is None or not path.startswith(_DATA_PREFIX):
+                await self.app(scope, receive, send)
+                return
+            rejected = _malformed_data_key(path)
             if rejected is not None:
                 await _send(send, *rejected)
                 return
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, _EnvelopeSend(send, scope["method"], path))
             return
         raw_headers: list[tuple[bytes, bytes]] = list(scope.get("headers") or [])
         gate = self._gate
@@ -97,6 +110,66 @@ class ControlASGIMiddleware:
         if body is None:
             return  # the client went away; nobody to answer
         await _send(send, *await gate.call(op, body))
+
+
+class _EnvelopeSend:
+    """Rewrites a 404/405 reply that is not already the error envelope."""
+
+    def __init__(self, send: Send, method: str, path: str) -> None:
+        self._send = send
+        self._method = method
+        self._path = path
+        self._start: Message | None = None
+        self._chunks: list[bytes] = []
+        self._size = 0
+
+    async def __call__(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start" and message.get("status") in _UNMATCHED:
+            self._start = message  # held until the body shows whose reply it is
+            return
+        if self._start is None or kind != "http.response.body":
+            await self._send(message)
+            return
+        chunk: bytes = message.get("body", b"")
+        self._chunks.append(chunk)
+        self._size += len(chunk)
+        more = bool(message.get("more_body", False))
+        if self._size > _MAX_REWRITE:
+            await self._flush(more)
+        elif not more:
+            await self._finish()
+
+    async def _flush(self, more: bool) -> None:
+        start, self._start = self._start, None
+        assert start is not None
+        await self._send(start)
+        body, self._chunks = b"".join(self._chunks), []
+        await self._send({"type": "http.response.body", "body": body, "more_body": more})
+
+    async def _finish(self) -> None:
+        start = self._start
+        assert start is not None
+        body = b"".join(self._chunks)
+        if _is_envelope(body):
+            await self._flush(False)  # the app's own typed error (e.g. an unknown session)
+            return
+        self._start = None
+        status: int = start["status"]
+        text = body[:200].decode("utf-8", "replace")
+        detail = f"{self._method} {self._path}: {text}" if text else f"{self._method} {self._path}"
+        reply = orjson.dumps({"error": {"code": _UNMATCHED[status].value, "detail": detail}})
+        allow = [(k, v) for k, v in start.get("headers", []) if k.lower() == b"allow"]
+        await _send(self._send, status, reply, extra=allow)
+
+
+def _is_envelope(body: bytes) -> bool:
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    err = parsed.get("error") if isinstance(parsed, dict) else None
+    return isinstance(err, dict) and isinstance(err.get("code"), str)
 
 
 def _malformed_data_key(path: str) -> tuple[int, bytes] | None:

@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 from multidict import CIMultiDict
 from pydantic import SecretStr
 
@@ -22,7 +23,7 @@ from ray_ckpt.control.asgi import ControlASGIMiddleware
 from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.control.routes import CHECKPOINT_ROUTE_PREFIX, maybe_install_control_routes
 from ray_ckpt.control.wire import OPERATIONS
-from ray_ckpt.errors import CheckpointError
+from ray_ckpt.errors import CheckpointError, NotFound
 from ray_ckpt.hosting.serving import bind_socket, serve_app, socket_address
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.settings import CheckpointSettings
@@ -56,6 +57,8 @@ def settings() -> CheckpointSettings:
 
 async def _echo_episode(key: str) -> dict[str, Any]:
     episode = EpisodeId.from_capture_key(key)
+    if episode.rollout_id == "gone":
+        raise NotFound(f"no session {key}")
     return {"rollout": episode.rollout_id, "attempt": episode.attempt}
 
 
@@ -81,9 +84,12 @@ def aiohttp_app(ctl: ParticipantController) -> web.Application:
 async def serve_asgi(ctl: ParticipantController) -> tuple[str, Any]:
     api = FastAPI()
 
-    @api.post("/ng-rollout/{key}/echo")
-    async def echo(key: str) -> dict[str, Any]:
-        return await _echo_episode(key)
+    @api.post("/ng-rollout/{key}/echo", response_model=None)
+    async def echo(key: str) -> dict[str, Any] | JSONResponse:
+        try:
+            return await _echo_episode(key)
+        except CheckpointError as exc:
+            return JSONResponse(exc.to_body(), status_code=exc.http_status)
 
     sock = bind_socket("127.0.0.1", 0)
     serving = await serve_app(ControlASGIMiddleware.from_settings(api, ctl, settings()), sock)
@@ -272,13 +278,10 @@ async def test_data_plane_empty_key_is_json_400(
         assert_envelope(reply, "invalid_request")
 
 
-async def test_aiohttp_data_plane_unmatched_is_json(
-    http: aiohttp.ClientSession, serve: Serve
+async def test_data_plane_unmatched_is_json(
+    http: aiohttp.ClientSession, front: tuple[str, str, ParticipantController]
 ) -> None:
-    ctl = ParticipantController(
-        FakeParticipant(), instance="env-0", settings=settings(), store=MemoryStore()
-    )
-    base = await serve(aiohttp_app(ctl))
+    _, base, _ = front
     status, reply, _ = await call(http, "POST", f"{base}/ng-rollout/r/nope")
     assert status == 404
     assert_envelope(reply, "not_found")
@@ -289,9 +292,11 @@ async def test_aiohttp_data_plane_unmatched_is_json(
     status, reply, _ = await call(http, "POST", f"{base}/ng-rollout/")
     assert status == 400
     assert_envelope(reply, "invalid_request")
+    # A typed error of the app itself passes through unchanged.
+    status, reply, _ = await call(http, "POST", f"{base}/ng-rollout/gone/echo")
+    assert status == 404
+    assert reply == {"error": {"code": "not_found", "detail": "no session gone"}}
     # Paths outside the reserved prefixes keep the Gym app's own behaviour.
     status, reply, _ = await call(http, "GET", f"{base}/nope")
     assert status == 404
-    assert not isinstance(reply, dict)
-    assert (await call(http, "GET", f"{base}/plain"))[:2] == (200, "plain")
-    await ctl.aclose()
+    assert not isinstance(reply, dict) or "error" not in reply
