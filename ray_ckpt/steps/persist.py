@@ -98,7 +98,7 @@ def export_records(
         if ep.deadline_s is not None:
             # The budget it used so far; the restored attempt continues with
             # what is left (`Episode.remaining`), never a fresh full one.
-            state["spent_s"] = ep.elapsed()
+            state["spent_s"] = min(ep.elapsed(), ep.deadline_s)
         records.append(Record(ep.key, state))
     records.extend(Record(eid.capture_key, r.state) for eid, r in unclaimed)
     records.sort(key=lambda r: r.key)
