@@ -104,11 +104,17 @@ def status(address: str, namespace: str, as_json: bool) -> None:
 @click.argument("directory")
 @click.option("--scope", "scope", multiple=True, help="Capture key to continue (repeatable).")
 @click.option("--keep-open", is_flag=True, help="Do not resume (publish, then resume).")
+@click.option(
+    "--strict",
+    is_flag=True,
+    help="Refuse (nothing published) if an episode of the scope has no state anywhere.",
+)
 @_cluster_options
 def checkpoint(
     directory: str,
     scope: tuple[str, ...],
     keep_open: bool,
+    strict: bool,
     address: str,
     namespace: str,
     as_json: bool,
@@ -116,7 +122,7 @@ def checkpoint(
     """Checkpoint every participant into DIRECTORY."""
     try:
         res = _connect(address, namespace).checkpoint(
-            directory, scope=list(scope) or None, resume=not keep_open
+            directory, scope=list(scope) or None, resume=not keep_open, strict=strict
         )
     except CheckpointError as exc:
         _fail(exc, as_json)
@@ -126,7 +132,8 @@ def checkpoint(
     click.echo(
         f"checkpoint {res.checkpoint_id} → {res.checkpoint_dir}: {len(res.timings)} participants, "
         f"{res.total_bytes} bytes, {res.total_s:.3f}s (prepare {res.prepare_s:.3f}s, "
-        f"commit {res.commit_s:.3f}s)"
+        f"commit {res.commit_s:.3f}s); {len(res.continued)} episodes continue, "
+        f"{len(res.restart)} start over" + (f" ({', '.join(res.restart)})" if res.restart else "")
     )
 
 
@@ -150,8 +157,11 @@ def restore(
         return
     total = sum(len(v) for v in res.restored.values())
     click.echo(
-        f"restored {total} episode attempts from {res.source_checkpoint_id} in {res.total_s:.3f}s"
+        f"restored {total} episode attempts from {res.source_checkpoint_id} in {res.total_s:.3f}s;"
+        f" {len(res.continued)} episodes continue, {len(res.restart)} start over"
     )
+    for who, why in sorted(res.resume_failures.items()):
+        click.echo(f"  not resumed (its lease will lapse): {who}: {why.get('detail')}", err=True)
 
 
 def _checkpointed_episodes(directory: str) -> list[str]:

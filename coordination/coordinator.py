@@ -96,16 +96,22 @@ class Coordinator:
             handle = await asyncio.to_thread(ray.get_actor, actor_name, namespace=self.namespace)
         except ValueError:
             return False  # gone; its lease covers it
-        self.core.register(RayHost(member, handle, actor_name=actor_name))
+        old = self.core.register(RayHost(member, handle, actor_name=actor_name, named=True))
+        await self.core.drop_host(old)
         return True
 
     async def discover(self, *, refresh: bool = False) -> list[str]:
-        """Register every `<kind>/<name>` actor of this namespace; returns all keys."""
+        """Register every `<kind>/<name>` actor of this namespace and drop the
+        members found by a name no live actor has any more; returns all keys.
+
+        Membership only: an open checkpoint keeps the members it was
+        prepared with (`PhaseDriver.frozen`), a newcomer joins the next one."""
         import ray
 
         # all_namespaces=True and a filter: inside an actor, the job's namespace
         # need not be the one this coordinator was named in.
         found = await asyncio.to_thread(ray.util.list_named_actors, True)
+        live: set[str] = set()
         for item in found:
             name = item["name"] if isinstance(item, dict) else str(item)
             if isinstance(item, dict) and item.get("namespace") != self.namespace:
@@ -113,9 +119,14 @@ class Coordinator:
             kind, sep, rest = name.partition("/")
             if not sep or kind not in KINDS or not rest or "/" in rest:
                 continue
+            live.add(name)
             if name in self.core.hosts and not refresh:
                 continue
             await self._register_named(Member(kind, rest), name)
+        for key, host in list(self.core.hosts.items()):
+            if isinstance(host, RayHost) and host.named and host.actor_name not in live:
+                log.warning("%s: no live actor named %s; dropped", key, host.actor_name)
+                await self.core.drop_host(self.core.unregister(key))
         return sorted(self.core.hosts)
 
     async def register_actor(self, kind: str, name: str, handle: Any = None) -> str:
@@ -124,7 +135,7 @@ class Coordinator:
             if not await self._register_named(member, member.key):
                 raise InvalidRequest(f"no actor named {member.key} in namespace {self.namespace}")
         else:
-            self.core.register(RayHost(member, handle))
+            await self.core.drop_host(self.core.register(RayHost(member, handle)))
         return member.key
 
     async def register_http(
@@ -138,20 +149,16 @@ class Coordinator:
         limit_per_host: int = 8,
     ) -> str:
         member = Member(kind, name)
-        old = self.core.hosts.get(member.key)
-        self.core.register(
+        old = self.core.register(
             HttpHost(
                 member, ControlClient(url, token=token, limit=limit, limit_per_host=limit_per_host)
             )
         )
-        if old is not None:
-            await old.aclose()
+        await self.core.drop_host(old)
         return member.key
 
     async def unregister(self, key: str) -> None:
-        host = self.core.hosts.pop(key, None)
-        if host is not None:
-            await host.aclose()
+        await self.core.drop_host(self.core.unregister(key))
 
     async def register_pause(
         self,
@@ -193,9 +200,12 @@ class Coordinator:
         scope: list[EpisodeId] | None = None,
         stop: bool = False,
         deadline_s: float | None = None,
+        strict: bool = False,
     ) -> CommitResult:
         await self._ready()
-        return await self.core.commit(checkpoint_dir, scope, stop=stop, deadline_s=deadline_s)
+        return await self.core.commit(
+            checkpoint_dir, scope, stop=stop, strict=strict, deadline_s=deadline_s
+        )
 
     async def resume(self, deadline_s: float | None = None) -> ResumeResult:
         await self._ready()
@@ -213,10 +223,17 @@ class Coordinator:
         stop: bool = False,
         prepare_s: float | None = None,
         commit_s: float | None = None,
+        strict: bool = False,
     ) -> CheckpointResult:
         await self._ready(discover=True)
         return await self.core.checkpoint(
-            checkpoint_dir, scope, resume=resume, stop=stop, prepare_s=prepare_s, commit_s=commit_s
+            checkpoint_dir,
+            scope,
+            resume=resume,
+            stop=stop,
+            strict=strict,
+            prepare_s=prepare_s,
+            commit_s=commit_s,
         )
 
     async def restore(

@@ -58,11 +58,17 @@ class CoordinatorCore(PhaseDriver):
         scope: Sequence[EpisodeId] | None = None,
         *,
         stop: bool = False,
+        strict: bool = False,
         deadline_s: float | None = None,
     ) -> CommitResult:
-        """Commit the open checkpoint everywhere, then write the Gym manifest."""
+        """Commit the open checkpoint everywhere, then write the Gym manifest.
+
+        `strict`: refuse (`RestartInScope`, checkpoint aborted, no Gym
+        manifest) if an episode of the scope has no state at any participant."""
         async with self.lock:
-            return await self._commit(checkpoint_dir, scope, stop=stop, deadline_s=deadline_s)
+            return await self._commit(
+                checkpoint_dir, scope, stop=stop, strict=strict, deadline_s=deadline_s
+            )
 
     async def resume(self, deadline_s: float | None = None) -> ResumeResult:
         """Close (or abort) the open checkpoint; idempotent."""
@@ -79,6 +85,7 @@ class CoordinatorCore(PhaseDriver):
         *,
         resume: bool = True,
         stop: bool = False,
+        strict: bool = False,
         prepare_s: float | None = None,
         commit_s: float | None = None,
     ) -> CheckpointResult:
@@ -86,7 +93,9 @@ class CoordinatorCore(PhaseDriver):
         async with self.lock:
             start = time.monotonic()
             prepared = await self._prepare(prepare_s)
-            committed = await self._commit(checkpoint_dir, scope, stop=stop, deadline_s=commit_s)
+            committed = await self._commit(
+                checkpoint_dir, scope, stop=stop, strict=strict, deadline_s=commit_s
+            )
             resumed = await self._resume() if resume else None
         timings: dict[str, dict[str, float]] = {}
         for op, table in (("prepare", prepared.timings), ("commit", committed.timings)):
@@ -106,6 +115,8 @@ class CoordinatorCore(PhaseDriver):
             episode_ids=committed.episode_ids,
             restarts=prepared.restarts,
             resume_failures=resumed.failures if resumed is not None else {},
+            continued=committed.continued,
+            restart=committed.restart,
         )
 
     # --- restore ---------------------------------------------------------------
@@ -206,6 +217,9 @@ class CoordinatorCore(PhaseDriver):
             entry = self.journal.load()
             if entry is None:
                 return None
+            # Its members as journalled, those that could be found again (a
+            # member not found is covered by its lease).
+            self.freeze({k: h for k, h in self.hosts.items() if k in entry.members})
             self.open = entry
             log.warning(
                 "recovering %s left %s by a previous coordinator", entry.checkpoint_id, entry.phase
@@ -218,4 +232,5 @@ class CoordinatorCore(PhaseDriver):
             return entry.checkpoint_id
 
     def members(self) -> list[Member]:
-        return sorted(self._members())
+        """Everyone registered now (an open checkpoint keeps its own, frozen)."""
+        return sorted(h.member for h in self.hosts.values())

@@ -10,7 +10,8 @@ gym.restore("/ckpt/step-100", episode_ids=continued)
 
 Every method has an async twin (`acheckpoint`, `arestore`, ...).  Errors are
 the typed `ray_ckpt.errors` ones (e.g. `CoordinationFailed` with `failures`),
-not Ray wrappers.
+not Ray wrappers: `type(err)` is the project's class and `str(err)` its
+message, never a remote traceback.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from coordination.results import (
     ResumeResult,
     RetireResult,
 )
-from ray_ckpt.errors import CheckpointError, ParticipantUnavailable
+from ray_ckpt.errors import ParticipantUnavailable
 from ray_ckpt.identity import EpisodeId
 
 EpisodeLike = EpisodeId | str | tuple[str, int]
@@ -62,16 +63,15 @@ class CoordinatorHandle:
 
         try:
             return ray.get(getattr(self.actor, method).remote(*args, **kwargs))
-        except CheckpointError:
-            raise
         except Exception as exc:
+            # No `except CheckpointError: raise` first: Ray's `RayTaskError`
+            # for a remote CheckpointError is also an instance of it (a
+            # dual-class wrapper whose str() is the remote traceback).
             raise _unwrap_ray_error(exc, f"coordinator {method}") from None
 
     async def _async(self, method: str, *args: Any, **kwargs: Any) -> Any:
         try:
             return await getattr(self.actor, method).remote(*args, **kwargs)
-        except CheckpointError:
-            raise
         except Exception as exc:
             raise _unwrap_ray_error(exc, f"coordinator {method}") from None
 
@@ -85,11 +85,22 @@ class CoordinatorHandle:
         stop: bool = False,
         prepare_s: float | None = None,
         commit_s: float | None = None,
+        strict: bool = False,
     ) -> CheckpointResult:
         """prepare → commit (scope) → Gym manifest → resume; `resume=False` keeps it
-        open for publishing (call `resume()` after)."""
+        open for publishing (call `resume()` after).  The result's `continued` and
+        `restart` say which episodes of the scope have state and which start over;
+        `strict=True` refuses (`RestartInScope`, nothing published) if any would
+        start over."""
         res: CheckpointResult = self._sync(
-            "checkpoint", str(checkpoint_dir), episodes(scope), resume, stop, prepare_s, commit_s
+            "checkpoint",
+            str(checkpoint_dir),
+            episodes(scope),
+            resume,
+            stop,
+            prepare_s,
+            commit_s,
+            strict,
         )
         return res
 
@@ -102,9 +113,17 @@ class CoordinatorHandle:
         stop: bool = False,
         prepare_s: float | None = None,
         commit_s: float | None = None,
+        strict: bool = False,
     ) -> CheckpointResult:
         res: CheckpointResult = await self._async(
-            "checkpoint", str(checkpoint_dir), episodes(scope), resume, stop, prepare_s, commit_s
+            "checkpoint",
+            str(checkpoint_dir),
+            episodes(scope),
+            resume,
+            stop,
+            prepare_s,
+            commit_s,
+            strict,
         )
         return res
 
@@ -117,15 +136,29 @@ class CoordinatorHandle:
         return res
 
     def commit(
-        self, checkpoint_dir: str, scope: Iterable[EpisodeLike] | None = None, *, stop: bool = False
+        self,
+        checkpoint_dir: str,
+        scope: Iterable[EpisodeLike] | None = None,
+        *,
+        stop: bool = False,
+        strict: bool = False,
     ) -> CommitResult:
-        res: CommitResult = self._sync("commit", str(checkpoint_dir), episodes(scope), stop)
+        res: CommitResult = self._sync(
+            "commit", str(checkpoint_dir), episodes(scope), stop, strict=strict
+        )
         return res
 
     async def acommit(
-        self, checkpoint_dir: str, scope: Iterable[EpisodeLike] | None = None, *, stop: bool = False
+        self,
+        checkpoint_dir: str,
+        scope: Iterable[EpisodeLike] | None = None,
+        *,
+        stop: bool = False,
+        strict: bool = False,
     ) -> CommitResult:
-        res: CommitResult = await self._async("commit", str(checkpoint_dir), episodes(scope), stop)
+        res: CommitResult = await self._async(
+            "commit", str(checkpoint_dir), episodes(scope), stop, strict=strict
+        )
         return res
 
     def resume(self) -> ResumeResult:
@@ -173,6 +206,10 @@ class CoordinatorHandle:
         res: RetireResult = self._sync("retire", episodes(episode_ids))
         return res
 
+    async def aretire_many(self, episode_ids: Iterable[EpisodeLike]) -> RetireResult:
+        res: RetireResult = await self._async("retire", episodes(episode_ids))
+        return res
+
     def forget(self, rollout_ids: Iterable[str]) -> ForgetResult:
         res: ForgetResult = self._sync("forget", list(rollout_ids))
         return res
@@ -209,9 +246,17 @@ class CoordinatorHandle:
         keys: list[str] = self._sync("discover", refresh=True)
         return keys
 
+    async def adiscover(self) -> list[str]:
+        keys: list[str] = await self._async("discover", refresh=True)
+        return keys
+
     def ping(self) -> str | None:
         """Wait until the coordinator is up (and has recovered)."""
         res: str | None = self._sync("ping")
+        return res
+
+    async def aping(self) -> str | None:
+        res: str | None = await self._async("ping")
         return res
 
 

@@ -30,6 +30,10 @@ Log = list[tuple[float, str, str, str]]  # (monotonic time, event, who, op)
 
 class Host(Protocol):
     member: Member
+    # True once a call found the participant gone for good (its actor died);
+    # the driver then drops it from the members.  Never set for a participant
+    # that is only unreachable (it may come back).
+    gone: bool
 
     async def call(self, op: str, body: Mapping[str, Any]) -> dict[str, Any]: ...
 
@@ -58,7 +62,14 @@ def _unwrap_ray_error(exc: BaseException, what: str) -> CheckpointError:
     return ParticipantUnavailable(f"{what}: {exc!r}"[:500])
 
 
-async def _await_ref(ref: Any, what: str) -> Any:
+def _actor_died(exc: BaseException) -> bool:
+    """The actor is dead for good (not restarting, not briefly unreachable)."""
+    from ray.exceptions import ActorDiedError
+
+    return isinstance(exc, ActorDiedError)
+
+
+async def _await_ref(ref: Any, what: str, died: Callable[[], None] | None = None) -> Any:
     import ray
 
     try:
@@ -69,25 +80,41 @@ async def _await_ref(ref: Any, what: str) -> Any:
             ray.cancel(ref)
         raise
     except Exception as exc:
+        if died is not None and _actor_died(exc):
+            died()
         raise _unwrap_ray_error(exc, what) from None
 
 
 class RayHost:
     """A `ParticipantHost` actor: one actor method per control operation."""
 
-    def __init__(self, member: Member, handle: Any, *, actor_name: str | None = None) -> None:
+    def __init__(
+        self,
+        member: Member,
+        handle: Any,
+        *,
+        actor_name: str | None = None,
+        named: bool = False,
+    ) -> None:
         self.member = member
         self.handle = handle
         self.actor_name = actor_name or member.key
+        # Found by its name (discovery prunes it once the name is gone); a
+        # handle registered directly may be of an actor with no name.
+        self.named = named
+        self.gone = False
+
+    def _died(self) -> None:
+        self.gone = True
 
     async def call(self, op: str, body: Mapping[str, Any]) -> dict[str, Any]:
         ref = getattr(self.handle, op).remote(dict(body))
-        reply: dict[str, Any] = await _await_ref(ref, f"{op} to {self.member.key}")
+        reply: dict[str, Any] = await _await_ref(ref, f"{op} to {self.member.key}", self._died)
         return reply
 
     async def status(self) -> dict[str, Any]:
         reply: dict[str, Any] = await _await_ref(
-            self.handle.status.remote(), f"status of {self.member.key}"
+            self.handle.status.remote(), f"status of {self.member.key}", self._died
         )
         return reply
 
@@ -104,6 +131,8 @@ class HttpHost:
     def __init__(self, member: Member, client: ControlClient) -> None:
         self.member = member
         self.client = client
+        # An HTTP server that does not answer may be restarting: never gone.
+        self.gone = False
 
     async def call(self, op: str, body: Mapping[str, Any]) -> dict[str, Any]:
         return await self.client.call(op, body)
@@ -130,7 +159,8 @@ class FakeHost:
     Drives `target` (e.g. a real `ParticipantController` over a fake
     participant) directly.  `hang` ops never answer until cancelled, `fail`
     ops raise the given error, `dead` makes every call unavailable, and
-    `delay` sleeps before answering.  Every call start, reply, failure and
+    `delay` sleeps before answering; a `dead` host is also `gone` (its actor
+    no longer exists, as Ray reports for a killed one).  Every call start, reply, failure and
     cancellation is appended to `log`, which tests may share across hosts.
     """
 
@@ -151,6 +181,10 @@ class FakeHost:
         self.delay: dict[str, float] = {}
         self.dead = False
         self.calls: list[tuple[str, dict[str, Any]]] = []
+
+    @property
+    def gone(self) -> bool:
+        return self.dead
 
     def _note(self, event: str, op: str) -> None:
         self.log.append((time.monotonic(), event, self.member.key, op))

@@ -47,6 +47,7 @@ from ray_ckpt.errors import (
     CoordinationFailed,
     DeadlineExceeded,
     InvalidRequest,
+    RestartInScope,
 )
 from ray_ckpt.identity import EpisodeId
 
@@ -69,13 +70,22 @@ class PhaseDriver:
         self.manifest_writer = manifest_writer
         self.hosts: dict[str, Host] = {}
         self.open: JournalEntry | None = None
+        # The open checkpoint's (or restore's) members, frozen when it opened:
+        # its commit, resume and abort go to exactly these, whoever registers,
+        # is discovered or is replaced meanwhile.
+        self.frozen: dict[str, Host] = {}
+        # Hosts replaced or unregistered while frozen in an open checkpoint:
+        # closed once it closes, not under its calls.
+        self._to_close: list[Host] = []
+        # Restart-only episodes the open checkpoint's prepare reported, by key.
+        self._prepare_restarts: set[str] = set()
         self.lock = asyncio.Lock()
         self.pauses = ControllerPauses(self.timeouts, pause_mode)
         self.renewer = LeaseRenewer(
             self.clock,
             self.timeouts,
             open_id=lambda: self.open.checkpoint_id if self.open is not None else None,
-            hosts=lambda: list(self.hosts.values()),
+            hosts=lambda: list(self._roster().values()),
         )
 
     # The pause state lives in `self.pauses`; these keep the driver's old names.
@@ -88,29 +98,65 @@ class PhaseDriver:
         return self.pauses.targets
 
     # --- membership ----------------------------------------------------------
-    def register(self, host: Host) -> None:
+    def register(self, host: Host) -> Host | None:
+        """Add or replace `host`; returns the host it replaced, if any."""
+        old = self.hosts.get(host.member.key)
         self.hosts[host.member.key] = host
+        return old if old is not host else None
 
-    def unregister(self, key: str) -> None:
-        self.hosts.pop(key, None)
+    def unregister(self, key: str) -> Host | None:
+        return self.hosts.pop(key, None)
+
+    async def drop_host(self, host: Host | None) -> None:
+        """Close a replaced or unregistered host, unless the open checkpoint
+        still calls it (then it is closed when that checkpoint closes)."""
+        if host is None or host in self.hosts.values():
+            return
+        if any(h is host for h in self.frozen.values()):
+            self._to_close.append(host)
+            return
+        with contextlib.suppress(Exception):
+            await host.aclose()
 
     def register_pause(self, target: PauseTarget, *, mode: str | None = None) -> None:
         self.pauses.register(target, mode=mode)
 
+    def _roster(self) -> dict[str, Host]:
+        """Who an operation talks to: the open checkpoint's frozen members, or
+        (nothing open) everyone registered now."""
+        return self.frozen if self.open is not None else self.hosts
+
     def _hosts(self, group: Sequence[Member]) -> list[Host]:
-        return [self.hosts[m.key] for m in group]
+        roster = self._roster()
+        return [roster[m.key] for m in group]
 
     def _members(self) -> list[Member]:
-        return [h.member for h in self.hosts.values()]
+        return [h.member for h in self._roster().values()]
+
+    def freeze(self, roster: Mapping[str, Host]) -> None:
+        """Fix the members of the checkpoint or restore about to open."""
+        self.frozen = dict(roster)
 
     def _record(self, entry: JournalEntry | None) -> None:
         self.open = entry
         if entry is None:
+            self.frozen = {}
+            self._prepare_restarts = set()
             self.journal.clear()
             return
         entry.updated_at = self.clock.now()
-        entry.members = {k: h.describe() for k, h in self.hosts.items()}
+        entry.members = {k: h.describe() for k, h in self.frozen.items()}
         self.journal.record(entry)
+
+    def _prune_gone(self, out: Outcome) -> None:
+        """Drop members whose actor no longer exists (each failed call says so):
+        the checkpoint they were in fails naming them, the next one goes
+        without them.  A replacement registered under the same key stays."""
+        for key in out.errors:
+            host = self._roster().get(key)
+            if host is not None and host.gone and self.hosts.get(key) is host:
+                log.warning("%s no longer exists; dropped from the members", key)
+                del self.hosts[key]
 
     async def _group(
         self, group: Sequence[Member], op: str, body: Mapping[str, Any], deadline_ts: float
@@ -119,7 +165,9 @@ class PhaseDriver:
         if op in ("prepare", "commit"):
             self.renewer.raise_floor(deadline_ts)
         timeout = reply_timeout(self.clock, self.timeouts, deadline_ts)
-        return await fan_out(self._hosts(group), op, lambda h: body, timeout)
+        out = await fan_out(self._hosts(group), op, lambda h: body, timeout)
+        self._prune_gone(out)
+        return out
 
     # --- checkpoint: prepare ---------------------------------------------------
     async def _prepare(self, deadline_s: float | None = None) -> PrepareResult:
@@ -127,13 +175,14 @@ class PhaseDriver:
             raise CheckpointConflict(
                 f"checkpoint {self.open.checkpoint_id} is open ({self.open.phase}); resume it first"
             )
-        members = self._members()
-        if not members:
+        if not self.hosts:
             raise InvalidRequest("no participants are registered")
         start = time.monotonic()
         cid = new_id("ckpt")
         deadline_s = self.timeouts.prepare_s if deadline_s is None else deadline_s
         deadline_ts = self.clock.now() + deadline_s
+        self.freeze(self.hosts)
+        members = [h.member for h in self.frozen.values()]
         self._record(JournalEntry(checkpoint_id=cid, phase="preparing", op="checkpoint"))
         self.renewer.start(cid)
         try:
@@ -161,6 +210,7 @@ class PhaseDriver:
                 await self._abort(cid)
                 raise coordination_failed("prepare", cid, failures)
         self._record(JournalEntry(checkpoint_id=cid, phase="prepared", op="checkpoint"))
+        self._prepare_restarts = {k for keys in restarts.values() for k in keys}
         return PrepareResult(
             checkpoint_id=cid, seconds=time.monotonic() - start, timings=timings, restarts=restarts
         )
@@ -172,6 +222,7 @@ class PhaseDriver:
         scope: Sequence[EpisodeId] | None = None,
         *,
         stop: bool = False,
+        strict: bool = False,
         deadline_s: float | None = None,
     ) -> CommitResult:
         entry = self.open
@@ -214,6 +265,15 @@ class PhaseDriver:
         if out.errors:
             await self._abort(cid)
             raise coordination_failed("commit", cid, {k: failure(e) for k, e in out.errors.items()})
+        exported = {k: list(r.get("episode_ids", [])) for k, r in out.replies.items()}
+        continued, restart = self._continued(scope, exported)
+        if strict and restart:
+            # Before the Gym manifest: the records written stay unpublished.
+            await self._abort(cid)
+            raise RestartInScope(
+                f"commit of {cid} refused (strict): no participant holds state for "
+                f"{restart}; they would start over"
+            )
         manifests = [r.get("manifest") or {} for _, r in sorted(out.replies.items())]
         m_start = time.monotonic()
         try:
@@ -238,8 +298,21 @@ class PhaseDriver:
             bytes={
                 k: int((r.get("manifest") or {}).get("bytes", 0)) for k, r in out.replies.items()
             },
-            episode_ids={k: list(r.get("episode_ids", [])) for k, r in out.replies.items()},
+            episode_ids=exported,
+            continued=continued,
+            restart=restart,
         )
+
+    def _continued(
+        self, scope: Sequence[EpisodeId] | None, exported: Mapping[str, Sequence[str]]
+    ) -> tuple[list[str], list[str]]:
+        """(continued, restart) capture keys: an episode continues if some
+        participant exported state for it, else it starts over.  Without a
+        scope, the episodes are all that were exported plus the restart-only
+        ones the prepare reported."""
+        held = {k for keys in exported.values() for k in keys}
+        wanted = held | self._prepare_restarts if scope is None else {e.capture_key for e in scope}
+        return sorted(wanted & held), sorted(wanted - held)
 
     # --- resume / abort --------------------------------------------------------
     async def _resume(self, deadline_s: float | None = None) -> ResumeResult:
@@ -263,7 +336,7 @@ class PhaseDriver:
         deadline_ts = self.clock.now() + deadline_s
         body = {"checkpoint_id": cid, "deadline_ts": deadline_ts}
         failures: dict[str, Any] = {}
-        # Everyone, not only those that prepared: a participant the prepare
+        # Every member, not only those that prepared: a participant the prepare
         # never reached still records the ID, so a delayed prepare is refused.
         for group in resume_groups(self._members()):
             out = await self._group(group, "resume", body, deadline_ts)
@@ -271,6 +344,10 @@ class PhaseDriver:
         failures.update(await self.pauses.unpause(cid))
         self.renewer.stop()
         self._record(None)
+        closing, self._to_close = self._to_close, []
+        for host in closing:
+            with contextlib.suppress(Exception):
+                await host.aclose()
         for key, why in failures.items():
             log.warning("resume of %s at %s failed (its lease will lapse): %s", cid, key, why)
         return failures

@@ -1,7 +1,8 @@
 """Restore from a checkpoint, all or nothing, and its undo.
 
-`restore` checks the Gym manifest lists every registered participant, asks
-them all to install the given episodes, and on any failure runs
+`restore` checks the Gym manifest lists exactly the registered participants
+(no more, no fewer), asks them all to install the given episodes, and on any
+failure runs
 `undo_restore`: retire the next attempts everywhere, then resume everyone.
 `recover` runs the same undo for a restore a previous coordinator left open.
 
@@ -14,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from coordination.calls import coordination_failed, episode_body, new_id
 from coordination.fanout import failure
@@ -47,8 +49,10 @@ async def restore(
     """Every participant restores, or none keeps what it installed (lock held)."""
     if driver.open is not None:
         raise CheckpointConflict(f"checkpoint {driver.open.checkpoint_id} is open")
-    members = driver._members()
-    if not members:
+    # Taken before the manifest read (an await): whoever registers meanwhile
+    # is not part of this restore.
+    roster = dict(driver.hosts)
+    if not roster:
         raise InvalidRequest("no participants are registered")
     start = time.monotonic()
     try:
@@ -59,12 +63,14 @@ async def restore(
             operation="restore",
             failures={"gym-manifest": failure(exc)},
         ) from None
-    # Checked before touching anyone: a participant the checkpoint does
-    # not list would start empty while the others continue.
-    missing = sorted(m.key for m in members if (m.kind, m.name) not in listed)
-    if missing:
-        err = InvalidCheckpointState(f"not listed in the Gym manifest of {checkpoint_dir}")
-        raise coordination_failed("restore", source_id or "?", {k: failure(err) for k in missing})
+    # Checked both ways before touching anyone: a participant the checkpoint
+    # does not list would start empty while the others continue, and one it
+    # lists that is not here would leave its state uninstalled.
+    failures = membership_failures(checkpoint_dir, roster, listed)
+    if failures:
+        raise coordination_failed("restore", source_id or "?", failures)
+    driver.freeze(roster)
+    members = [h.member for h in roster.values()]
     cid = new_id("restore")
     deadline_s = driver.timeouts.restore_s if deadline_s is None else deadline_s
     deadline_ts = driver.clock.now() + deadline_s
@@ -92,17 +98,37 @@ async def restore(
     assert entry is not None
     entry.phase = "restored"
     driver._record(entry)
-    if resume:
-        await driver.resume_everyone(cid)
+    resume_failures = await driver.resume_everyone(cid) if resume else {}
+    restored = {k: list(r.get("restored", [])) for k, r in out.replies.items()}
+    installed = {k for keys in restored.values() for k in keys}
     return RestoreResult(
         checkpoint_id=cid,
         source_checkpoint_id=source_id,
         checkpoint_dir=checkpoint_dir,
         total_s=time.monotonic() - start,
         timings=out.timings,
-        restored={k: list(r.get("restored", [])) for k, r in out.replies.items()},
+        restored=restored,
         resumed=resume,
+        continued=[e.capture_key for e in episodes if e.next().capture_key in installed],
+        restart=[e.capture_key for e in episodes if e.next().capture_key not in installed],
+        resume_failures=resume_failures,
     )
+
+
+def membership_failures(
+    checkpoint_dir: str, roster: Mapping[str, object], listed: set[tuple[str, str]]
+) -> dict[str, dict[str, Any]]:
+    """Per participant, why the checkpoint and the registered members differ."""
+    listed_keys = {f"{kind}/{instance}" for kind, instance in listed}
+    unlisted = InvalidCheckpointState(
+        f"registered but not listed in the Gym manifest of {checkpoint_dir}"
+    )
+    absent = InvalidCheckpointState(
+        f"listed in the Gym manifest of {checkpoint_dir} but not registered"
+    )
+    out = {k: failure(unlisted) for k in roster if k not in listed_keys}
+    out.update({k: failure(absent) for k in listed_keys if k not in roster})
+    return dict(sorted(out.items()))
 
 
 async def undo_restore(

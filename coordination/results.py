@@ -41,6 +41,10 @@ class CommitResult(msgspec.Struct, frozen=True, kw_only=True):
     timings: dict[str, float]
     bytes: dict[str, int]
     episode_ids: dict[str, list[str]]  # participant → capture keys exported
+    # Per episode of the scope (capture keys): some participant exported state
+    # for it (`continued`), or none did and it starts over (`restart`).
+    continued: list[str] = msgspec.field(default_factory=list)
+    restart: list[str] = msgspec.field(default_factory=list)
 
 
 class ResumeResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -64,6 +68,8 @@ class CheckpointResult(msgspec.Struct, frozen=True, kw_only=True):
     episode_ids: dict[str, list[str]]
     restarts: dict[str, list[str]]
     resume_failures: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
+    continued: list[str] = msgspec.field(default_factory=list)  # as in `CommitResult`
+    restart: list[str] = msgspec.field(default_factory=list)
 
 
 class RestoreResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -74,6 +80,14 @@ class RestoreResult(msgspec.Struct, frozen=True, kw_only=True):
     timings: dict[str, float]
     restored: dict[str, list[str]]  # participant → next-attempt capture keys
     resumed: bool
+    # Per requested episode (its capture key as requested): some participant
+    # installed its next attempt (`continued`), or none held state for it and
+    # that next attempt starts over (`restart`).
+    continued: list[str] = msgspec.field(default_factory=list)
+    restart: list[str] = msgspec.field(default_factory=list)
+    # Participants the resume after the restore did not reach (their lease
+    # lapses and they resume by themselves, keeping what they installed).
+    resume_failures: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
 
 
 class RetireResult(msgspec.Struct, frozen=True, kw_only=True):

@@ -21,6 +21,8 @@ class DemoReport:
     rollouts: int
     steps: int
     in_flight: dict[str, int] = field(default_factory=dict)
+    # Episodes unfinished when the checkpoint was taken (its scope).
+    in_scope: int = 0
     finished_before_crash: int = 0
     checkpoint_id: str = ""
     prepare_s: float = 0.0
@@ -41,6 +43,7 @@ class DemoReport:
         self.checkpoint_id = committed.checkpoint_id
         self.prepare_s = prepared.seconds
         self.commit_s = committed.seconds
+        self.in_scope = len(committed.continued) + len(committed.restart)
         for name in sorted(set(prepared.timings) | set(committed.timings)):
             self.per_participant[name] = {
                 "prepare_s": prepared.timings.get(name, 0.0),
@@ -81,15 +84,32 @@ class DemoReport:
     def bytes(self) -> int:
         return sum(int(p["bytes"]) for p in self.per_participant.values())
 
+    def problems(self) -> list[str]:
+        """Why the run proves nothing or failed; empty when it passed.  Equal
+        results alone are not enough: with nothing in flight at the checkpoint,
+        or nothing continued from it, no checkpoint was put to the test."""
+        out: list[str] = []
+        if not self.equal:
+            out.append("results differ from the uninterrupted run (or were lost)")
+        if self.in_scope == 0:
+            out.append("nothing was in flight at the checkpoint")
+        if not self.continued:
+            out.append("no episode was continued from the checkpoint")
+        return out
+
     @property
     def ok(self) -> bool:
-        return self.equal
+        """The exit status: 0 only if this is true."""
+        return not self.problems()
 
     def summary(self) -> dict[str, Any]:
         return {
+            "ok": self.ok,
+            "problems": self.problems(),
             "rollouts": self.rollouts,
             "steps": self.steps,
             "equal": self.equal,
+            "episodes_in_flight_at_checkpoint": self.in_scope,
             "episodes_finished_before_crash": self.finished_before_crash,
             "episodes_continued": len(self.continued),
             "episodes_restarted": len(self.restarted),
@@ -148,6 +168,7 @@ class Ui:
             ("tokens continued from cuts", str(r.tokens_continued)),
             ("lost", ", ".join(r.lost) or "none"),
             ("equal to uninterrupted run", "yes" if r.equal else "NO"),
+            ("passed", "yes" if r.ok else "NO: " + "; ".join(r.problems())),
         ):
             run.add_row(label, value)
         parts = Table(title="per participant")

@@ -6,7 +6,9 @@ parked); every Gym actor is killed; a fresh fleet restores and continues every
 unfinished episode as attempt + 1; the final results must equal an
 uninterrupted run of the same seeds.  With no `--address` it starts a local
 Ray (loopback only) and stops it at the end.  Exit status 0 only if every
-result is equal and nothing was lost.
+result is equal, nothing was lost, and the checkpoint was put to the test:
+something was in flight when it was taken and some episode continued from it
+(`DemoReport.problems`).
 
 Also runnable as `python -m coordination.demo` (e.g. under `ray job submit`).
 """
@@ -209,10 +211,17 @@ def demo_cli(as_json: bool, namespace: str | None, **kwargs: Any) -> None:
     finally:
         if started:
             ray.shutdown()
+    sys.exit(finish(report, ui, as_json=as_json))
+
+
+def finish(report: DemoReport, ui: Ui, *, as_json: bool) -> int:
+    """Show the report; the exit status (0 only if the report passed)."""
     ui.print_report(report)
     if as_json:
         sys.stdout.write(msgspec.json.encode(report.summary()).decode() + "\n")
-    sys.exit(0 if report.ok else 1)
+    for problem in report.problems():
+        sys.stderr.write(f"demo failed: {problem}\n")
+    return 0 if report.ok else 1
 
 
 def demo_command_main(args: list[str]) -> int:
@@ -225,4 +234,3 @@ def demo_command_main(args: list[str]) -> int:
         exc.show()
         return exc.exit_code
     return 0
-

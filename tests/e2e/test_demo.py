@@ -28,6 +28,9 @@ async def test_demo_continues_every_rollout_and_equals_the_uninterrupted_run(
     report = await run_demo(opts, Ui())
     summary = report.summary()
     assert summary["equal"] is True, summary
+    # Equal alone is not a pass: something was in flight and continued.
+    assert summary["ok"] is True, summary["problems"]
+    assert summary["episodes_in_flight_at_checkpoint"] > 0
     assert summary["lost"] == [] and summary["different"] == []
     # Nothing finished before the crash is redone; everything else continued.
     assert summary["episodes_finished_before_crash"] + summary["episodes_continued"] == 3

@@ -48,6 +48,17 @@ class Fleet:
     def events(self, op: str, event: str = "call") -> list[str]:
         return [who for _, ev, who, o in self.log if o == op and ev == event]
 
+    def add(self, key: str, *, register: bool = True) -> FakeHost:
+        """One more in-process participant over the same store and log."""
+        m = Member.parse(key)
+        part = FakeParticipant(m.kind)
+        ctrl = ParticipantController(part, instance=m.name, settings=SETTINGS, store=self.store)
+        host = FakeHost(m, ctrl, log=self.log)
+        self.hosts[key], self.parts[key], self.ctrls[key] = host, part, ctrl
+        if register:
+            self.core.register(host)
+        return host
+
     async def aclose(self) -> None:
         for c in self.ctrls.values():
             await c.aclose()
@@ -82,16 +93,8 @@ def make_fleet(
         manifest_writer=writer,
         manifest_reader=reader,
     )
-    hosts: dict[str, FakeHost] = {}
-    parts: dict[str, FakeParticipant] = {}
-    ctrls: dict[str, ParticipantController] = {}
-    for key in members:
-        m = Member.parse(key)
-        part = FakeParticipant(m.kind)
-        ctrl = ParticipantController(part, instance=m.name, settings=SETTINGS, store=store)
-        host = FakeHost(m, ctrl, log=log)
-        core.register(host)
-        hosts[key], parts[key], ctrls[key] = host, part, ctrl
-    fleet = Fleet(core, hosts, parts, ctrls, store, log)
+    fleet = Fleet(core, {}, {}, {}, store, log)
     fleet.manifests = manifests
+    for key in members:
+        fleet.add(key)
     return fleet

@@ -1,0 +1,72 @@
+"""The demo's verdict: equal results are not enough to pass (no Ray)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from coordination.demo.report import DemoReport, Ui
+from coordination.demo.run import finish
+from coordination.demo.scenario import Continuation
+from coordination.results import CommitResult, PrepareResult
+
+
+def report(*, scope: list[str], continued: list[str], equal: bool = True) -> DemoReport:
+    r = DemoReport(rollouts=3, steps=2)
+    prepared = PrepareResult(checkpoint_id="c", seconds=0.1, timings={}, restarts={})
+    committed = CommitResult(
+        checkpoint_id="c",
+        checkpoint_dir="/ck",
+        seconds=0.2,
+        manifest_s=0.01,
+        timings={},
+        bytes={},
+        episode_ids={},
+        continued=scope,
+        restart=[],
+    )
+    r.add_checkpoint(prepared, committed)
+    restarted = [k for k in scope if k not in continued]
+    r.add_restore(Continuation(continued, restarted, {}, 0.3))
+    r.equal = equal  # what `compare` found
+    return r
+
+
+def verdict(r: DemoReport, capsys: pytest.CaptureFixture[str]) -> tuple[int, dict[str, object]]:
+    code = finish(r, Ui(), as_json=True)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    return code, json.loads(last)
+
+
+def test_a_demo_that_continued_episodes_and_equals_the_run_passes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, summary = verdict(report(scope=["r1", "r2"], continued=["r1", "r2"]), capsys)
+    assert code == 0
+    assert summary["ok"] is True
+    assert summary["problems"] == []
+    assert summary["episodes_in_flight_at_checkpoint"] == 2
+
+
+def test_nothing_in_flight_at_the_checkpoint_fails_even_if_equal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, summary = verdict(report(scope=[], continued=[]), capsys)
+    assert code == 1
+    assert summary["equal"] is True
+    assert summary["ok"] is False
+    assert "nothing was in flight at the checkpoint" in summary["problems"]  # type: ignore[operator]
+
+
+def test_no_episode_continued_fails_even_if_equal(capsys: pytest.CaptureFixture[str]) -> None:
+    code, summary = verdict(report(scope=["r1"], continued=[]), capsys)
+    assert code == 1
+    assert summary["equal"] is True
+    assert summary["problems"] == ["no episode was continued from the checkpoint"]
+
+
+def test_results_that_differ_fail(capsys: pytest.CaptureFixture[str]) -> None:
+    code, summary = verdict(report(scope=["r1"], continued=["r1"], equal=False), capsys)
+    assert code == 1
+    assert summary["ok"] is False
