@@ -58,6 +58,22 @@ async def test_status_checkpoint_inspect_restore_retire(namespace: str, tmp_path
         code, out = run("inspect", ckpt, "--json")
         assert code == 0 and json.loads(out)["ok"] is True
 
+        # Per episode of the scope: continued or restarted; --strict refuses the latter.
+        scoped = ["--scope", "e1", "--scope", "ghost"]
+        code, out = run("checkpoint", str(tmp_path / "scoped"), *scoped, *ns)
+        assert code == 0, out
+        assert "1 episodes continue, 1 start over (ghost)" in out
+        strict = tmp_path / "strict"
+        code, out = run("checkpoint", str(strict), *scoped, "--strict", *ns, "--json")
+        assert code == 1
+        error = json.loads(out)["error"]
+        assert error["code"] == "restart_in_scope"
+        assert "ghost" in error["detail"]
+        assert not (strict / "gym" / "_manifest.json").exists()
+        code, out = run("status", *ns, "--json")
+        assert json.loads(out)["open_checkpoint"] is None
+        assert json.loads(out)["participants"][0]["phase"] == "idle"
+
         ray.kill(host, no_restart=True)
         fresh = start_host(SPEC, namespace=namespace)
         await fresh.ready.remote()
