@@ -68,3 +68,14 @@ def test_errors_survive_pickling_and_the_wire() -> None:
     cf = pickle.loads(pickle.dumps(CoordinationFailed("x", operation="prepare", failures={"a": {}})))
     assert cf.operation == "prepare" and cf.failures == {"a": {}}
     assert error_from_body(500, "boom").code == "invalid_request"
+
+
+def test_method_not_allowed_is_a_typed_405() -> None:
+    from ray_ckpt.errors import MethodNotAllowed
+
+    assert Reason.METHOD_NOT_ALLOWED.http_status == 405
+    assert not Reason.METHOD_NOT_ALLOWED.retryable
+    body = {"error": {"code": "method_not_allowed", "detail": "GET is not allowed"}}
+    err = error_from_body(405, body)
+    assert isinstance(err, MethodNotAllowed)
+    assert err.detail == "GET is not allowed"
