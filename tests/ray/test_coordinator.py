@@ -123,10 +123,11 @@ def test_a_straggler_is_cancelled_and_a_dead_host_is_named(
     assert calls(hosts["resources/res"], "prepare") == [], "stopped at the first unready group"
     assert {r.phase for r in gym.status().participants} == {"idle"}
 
+    # Killed: the discovery before the next checkpoint drops its name (a member
+    # dying inside a prepare fails it by name: tests/ray/test_coord_membership.py).
     ray.kill(hosts["agent/slow"], no_restart=True)
-    with pytest.raises(CoordinationFailed) as info:
-        gym.checkpoint(str(tmp_path / "c2"))
-    assert info.value.failures["agent/slow"]["code"] == "participant_unavailable"
+    result = gym.checkpoint(str(tmp_path / "c2"))
+    assert set(result.timings) == {"environment/env", "resources/res"}
     assert (
         calls(hosts["environment/env"], "resume")[-1][3]
         == calls(hosts["environment/env"], "prepare")[-1][3]
