@@ -96,3 +96,25 @@ async def test_a_replacement_registered_under_a_dead_members_name_stays() -> Non
         assert f.core.hosts[AGENT] is replacement
     finally:
         await f.aclose()
+
+
+async def test_recovery_aborts_with_the_journalled_members_only(tmp_path: pathlib.Path) -> None:
+    from coordination.core import CoordinatorCore
+    from coordination.journal import Journal
+    from tests.unit.coord_fleet import FAST
+
+    old = make_fleet(state_dir=str(tmp_path))
+    try:
+        prepared = await old.core.prepare()
+        newcomer = old.add(LATE, register=False)
+        # A new coordinator over the same state finds the old members and one more.
+        new = CoordinatorCore(journal=Journal(str(tmp_path)), timeouts=FAST)
+        for key in (*DEFAULT_MEMBERS, LATE):
+            new.register(old.hosts[key])
+        old.log.clear()
+        assert await new.recover() == prepared.checkpoint_id
+        assert sorted(old.events("resume")) == sorted(DEFAULT_MEMBERS)
+        assert newcomer.calls == []
+        assert set(old.phases().values()) == {"idle"}
+    finally:
+        await old.aclose()
