@@ -128,6 +128,9 @@ async def test_export_requires_a_scope_and_a_refused_commit_changes_nothing(
     ids = [{"rollout_id": "r", "attempt": 0}]
     reply = await controller.handle("commit", body("c1", checkpoint_dir=where, episode_ids=ids))
     assert reply["episode_ids"] == ["r"]
+    # The kind on the wire is NeMo Gym's `model`: in status and in the storage path.
+    assert controller.status()["kind"] == "model"
+    assert (tmp_path / "c1" / "gym" / "model" / "m").is_dir()
     await controller.handle("resume", body("c1"))
     # The controller's forget frees the rollout's rows with its marks.
     await controller.handle("forget", body("f1", rollout_ids=["r"]))
