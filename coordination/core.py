@@ -64,7 +64,8 @@ class CoordinatorCore(PhaseDriver):
         """Commit the open checkpoint everywhere, then write the Gym manifest.
 
         `strict`: refuse (`RestartInScope`, checkpoint aborted, no Gym
-        manifest) if an episode of the scope has no state at any participant."""
+        manifest) if an episode of the scope has no state at any participant;
+        not with `stop` (that frees the exported episodes' resources first)."""
         async with self.lock:
             return await self._commit(
                 checkpoint_dir, scope, stop=stop, strict=strict, deadline_s=deadline_s

@@ -232,6 +232,10 @@ class PhaseDriver:
             or entry.phase not in ("prepared", "committing")
         ):
             raise CheckpointConflict("no prepared checkpoint is open: prepare first")
+        if strict and stop:
+            # A stopping commit frees what its exported episodes hold before the
+            # strict check can refuse it; the refused checkpoint resumes them.
+            raise InvalidRequest("strict and stop cannot be combined")
         cid = entry.checkpoint_id
         start = time.monotonic()
         deadline_s = self.timeouts.commit_s if deadline_s is None else deadline_s

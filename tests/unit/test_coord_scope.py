@@ -6,7 +6,12 @@ import pathlib
 
 import pytest
 
-from ray_ckpt.errors import CoordinationFailed, ParticipantUnavailable, RestartInScope
+from ray_ckpt.errors import (
+    CoordinationFailed,
+    InvalidRequest,
+    ParticipantUnavailable,
+    RestartInScope,
+)
 from ray_ckpt.identity import EpisodeId
 from tests.unit.coord_fleet import DEFAULT_MEMBERS, Fleet, make_fleet
 from tests.unit.fakes import MemoryStore
@@ -162,5 +167,19 @@ async def test_strict_refuses_a_commit_where_an_episode_has_no_state_anywhere(
         assert ok.continued == ["r1"]
         assert ok.restart == []
         assert len(f.manifests) == 1
+    finally:
+        await f.aclose()
+
+
+async def test_strict_with_stop_is_refused_before_anything_is_touched() -> None:
+    f = make_fleet()
+    try:
+        await f.core.prepare()
+        f.log.clear()
+        with pytest.raises(InvalidRequest):
+            await f.core.commit("/ck", [EpisodeId("r1")], stop=True, strict=True)
+        assert f.log == []
+        assert set(f.phases().values()) == {"prepared"}, "the open checkpoint is untouched"
+        await f.core.resume()
     finally:
         await f.aclose()
