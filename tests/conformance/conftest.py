@@ -33,8 +33,12 @@ async def serve_nemo() -> AsyncIterator[Serve]:
     """Start a NeMo Gym-shaped participant on 127.0.0.1 (a fresh "process" each call)."""
     served: list[Served] = []
 
-    async def start(kind: str, instance: str | None = None, **kw: float) -> Served:
-        p = NemoParticipant(kind, instance or f"ng-{kind}", TOKEN, **kw)
+    async def start(
+        kind: str, instance: str | None = None, *, lease_grace_seconds: float = 600.0
+    ) -> Served:
+        p = NemoParticipant(
+            kind, instance or f"ng-{kind}", TOKEN, lease_grace_seconds=lease_grace_seconds
+        )
         runner = web.AppRunner(make_app(p))
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -23,6 +23,7 @@ every call can be retried with the same ID.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 import uuid
@@ -94,7 +95,9 @@ class PrepareResult:
 
     @property
     def prepared(self) -> bool:
-        return bool(self.replies) and all(r.get("phase") == "prepared" for r in self.replies.values())
+        return bool(self.replies) and all(
+            r.get("phase") == "prepared" for r in self.replies.values()
+        )
 
     def blockers(self) -> dict[str, list[str]]:
         return {
@@ -302,10 +305,8 @@ class Controller:
 
 
 async def _quietly(call: Awaitable[Any]) -> None:
-    try:
+    with contextlib.suppress(CoordinationError):  # resume must still run everywhere
         await call
-    except CoordinationError:
-        pass  # the cleanup continues: resume must still run everywhere
 
 
 def _error_of(status: int, body: Any) -> Any:

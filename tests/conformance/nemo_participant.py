@@ -1,6 +1,6 @@
 """A NeMo Gym-shaped participant: its control plane as the reference notes describe it.
 
-Written from the facts in `gym-protocol-notes.md` §1.1–1.18 only (NeMo Gym's
+Written from the facts in `gym-protocol-notes.md` §1.1-1.18 only (NeMo Gym's
 code is not available to us and is never copied).  It is the other side of
 our wire contract in the conformance suite: our coordinator must drive it.
 
@@ -27,6 +27,7 @@ installs under attempt+1.  The kind is one of environment/model/agent/resources.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import json
@@ -278,9 +279,9 @@ class NemoParticipant:
                 continue
             async with self._lock:
                 cid = self.active_id
-                if cid is not None and self.lease_expires_at is not None:
-                    if time.time() >= self.lease_expires_at:
-                        self._reopen(cid)  # expiry is exactly an abort
+                expires = self.lease_expires_at
+                if cid is not None and expires is not None and time.time() >= expires:
+                    self._reopen(cid)  # expiry is exactly an abort
             return
 
     def _remember(self, cid: str) -> None:
@@ -318,10 +319,8 @@ class NemoParticipant:
                 remaining = req.deadline_ts - time.time()
                 if remaining <= 0:
                     break
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), min(remaining, 1.0))
-                except TimeoutError:
-                    pass
         async with self._lock:
             if self.active_id != cid:
                 return {"phase": "idle", "report": self.report()}
@@ -355,7 +354,9 @@ class NemoParticipant:
                     "restart_in_scope", 409, f"scope names restarts {sorted(scope & restarts)}"
                 )
             chosen = sorted(
-                k for k, e in self.episodes.items() if not e.restart and (scope is None or k in scope)
+                k
+                for k, e in self.episodes.items()
+                if not e.restart and (scope is None or k in scope)
             )
             records = [
                 {"episode_id": self.episodes[k].episode_id.wire(), "state": self.episodes[k].state}
@@ -373,7 +374,9 @@ class NemoParticipant:
     def _where(self, checkpoint_dir: str) -> Path:
         return Path(checkpoint_dir) / "gym" / self.kind / self.instance
 
-    def _write(self, checkpoint_dir: str, cid: str, records: list[dict[str, Any]]) -> dict[str, Any]:
+    def _write(
+        self, checkpoint_dir: str, cid: str, records: list[dict[str, Any]]
+    ) -> dict[str, Any]:
         """Records first (temp, fsync, rename to its digest), the manifest last, created once."""
         where = self._where(checkpoint_dir)
         where.mkdir(parents=True, exist_ok=True)
@@ -464,9 +467,7 @@ class NemoParticipant:
                 self.episodes[nxt.capture_key] = Episode(nxt, record["state"], restored=True)
             self.phase, self.active_id = "restored", cid
             self._renew(req)
-            restored = sorted(
-                EpisodeId(**r["episode_id"]).next().capture_key for r in records
-            )
+            restored = sorted(EpisodeId(**r["episode_id"]).next().capture_key for r in records)
             reply = {"phase": "restored", "source_checkpoint_id": source, "restored": restored}
             self._cache[(cid, "restore")] = reply
             return reply
@@ -546,7 +547,9 @@ def _fastapi_422(exc: ValidationError) -> web.Response:
         {"type": e["type"], "loc": ["body", *e["loc"]], "msg": e["msg"], "input": e.get("input")}
         for e in exc.errors(include_url=False)
     ]
-    return web.json_response({"detail": detail}, status=422, dumps=lambda v: json.dumps(v, default=str))
+    return web.json_response(
+        {"detail": detail}, status=422, dumps=lambda v: json.dumps(v, default=str)
+    )
 
 
 def make_app(p: NemoParticipant) -> web.Application:

@@ -44,7 +44,8 @@ async def test_validation_is_fastapi_422_and_runs_before_the_token(
     # An extra field, no token: the body is judged first (422, not 401).
     status, reply = await post(http, s.url, "prepare", {**b("c1"), "x": 1}, token=None)
     assert status == 422
-    assert set(reply) == {"detail"} and reply["detail"][0]["type"] == "extra_forbidden"
+    assert set(reply) == {"detail"}
+    assert reply["detail"][0]["type"] == "extra_forbidden"
     assert reply["detail"][0]["loc"] == ["body", "x"]
     for bad in (
         {"checkpoint_id": "c1\n", "deadline_ts": 1.0},  # pattern: no trailing newline
@@ -53,7 +54,8 @@ async def test_validation_is_fastapi_422_and_runs_before_the_token(
         {"checkpoint_id": "c1"},
     ):
         status, reply = await post(http, s.url, "prepare", bad)
-        assert status == 422 and isinstance(reply["detail"], list), bad
+        assert status == 422, bad
+        assert isinstance(reply["detail"], list), bad
     status, reply = await post(http, s.url, "prepare", b"NaN-ish{")
     assert status == 422
     status, reply = await post(http, s.url, "retire", b("c1", episode_ids=[]))
@@ -64,10 +66,12 @@ async def test_validation_is_fastapi_422_and_runs_before_the_token(
     assert status == 422  # a rollout_id may not end in -a<N>
     # A valid body with a bad token: 401 in the error envelope.
     status, reply = await post(http, s.url, "prepare", b("c1"), token="wrong")
-    assert status == 401 and reply["error"]["code"] == "unauthorized"
+    assert status == 401
+    assert reply["error"]["code"] == "unauthorized"
     async with http.get(f"{s.url}{PREFIX}/status") as resp:
         assert resp.status == 401
-    assert s.participant.phase == "idle" and s.participant.calls == []
+    assert s.participant.phase == "idle"
+    assert s.participant.calls == []
 
 
 async def test_fencing_phases_and_replay(serve_nemo: Serve, http: aiohttp.ClientSession) -> None:
@@ -89,7 +93,8 @@ async def test_fencing_phases_and_replay(serve_nemo: Serve, http: aiohttp.Client
     status, reply = await post(http, s.url, "retire", b("c1", episode_ids=[{"rollout_id": "r"}]))
     assert (status, reply["error"]["code"]) == (409, "invalid_phase")  # resume first
     status, reply = await post(http, s.url, "renew", b("c1", ahead=100))
-    assert status == 200 and reply["lease_expires_at"] >= time.time() + 100 + 599
+    assert status == 200
+    assert reply["lease_expires_at"] >= time.time() + 100 + 599
     assert (await post(http, s.url, "resume", b("c1")))[1] == {"phase": "idle", "idempotent": False}
     assert (await post(http, s.url, "resume", b("c1")))[1] == {"phase": "idle", "idempotent": True}
     for op in ("prepare", "renew"):
@@ -108,8 +113,10 @@ async def test_string_blockers_deadline_bounds_only_the_wait_and_resume_interrup
     s.participant.start("r0", blocking=True)
     s.participant.start("r5", restart=True)
     status, reply = await post(http, s.url, "prepare", b("c1", ahead=-5))  # already past
-    assert status == 200 and reply["phase"] == "preparing"
-    assert reply["report"]["blockers"] == ["r0", "r1-a2"] and reply["report"]["blocker_count"] == 2
+    assert status == 200
+    assert reply["phase"] == "preparing"
+    assert reply["report"]["blockers"] == ["r0", "r1-a2"]
+    assert reply["report"]["blocker_count"] == 2
     assert reply["report"]["restarts"] == ["r5"]
     assert not s.participant.admission_open  # stays closed
     await s.participant.unblock("r0")
@@ -132,9 +139,12 @@ async def test_blockers_are_capped_at_100_with_the_full_count(
     s = await serve_nemo("environment")
     for i in range(130):
         s.participant.start(f"r{i:03d}", blocking=True)
-    async with http.get(f"{s.url}{PREFIX}/status", headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+    async with http.get(
+        f"{s.url}{PREFIX}/status", headers={"Authorization": f"Bearer {TOKEN}"}
+    ) as r:
         report = (await r.json())["report"]
-    assert len(report["blockers"]) == 100 and report["blocker_count"] == 130
+    assert len(report["blockers"]) == 100
+    assert report["blocker_count"] == 130
     assert all(isinstance(k, str) for k in report["blockers"])
 
 
@@ -146,7 +156,8 @@ async def test_manifest_fields_records_jsonl_manifest_last_and_immutable(
     s.participant.start("r1", 1, state={"step": 3})
     await post(http, s.url, "prepare", b("c1"))
     status, reply = await post(http, s.url, "commit", b("c1", checkpoint_dir=str(tmp_path)))
-    assert status == 200 and reply["phase"] == "committed"
+    assert status == 200
+    assert reply["phase"] == "committed"
     assert reply["episode_ids"] == ["r0", "r1-a1"]
     m = reply["manifest"]
     assert set(m) == {
@@ -159,7 +170,10 @@ async def test_manifest_fields_records_jsonl_manifest_last_and_immutable(
     where = tmp_path / "gym" / "model" / "policy"
     assert m["records_file"] == f"records-{m['records_sha256']}.jsonl"
     lines = (where / m["records_file"]).read_text().splitlines()
-    assert lines[0] == '{"episode_id": {"rollout_id": "r0", "attempt": 0}, "state": {"z": 1, "a": NaN}}'
+    assert (
+        lines[0]
+        == '{"episode_id": {"rollout_id": "r0", "attempt": 0}, "state": {"z": 1, "a": NaN}}'
+    )
     assert json.loads((where / "manifest.json").read_text()) == m
     assert sorted(p.name for p in where.iterdir()) == ["manifest.json", m["records_file"]]
     assert not (tmp_path / "gym" / "_manifest.json").exists()  # no Gym manifest
@@ -213,7 +227,8 @@ async def test_restore_needs_a_fresh_process_installs_attempt_plus_one_and_check
         http, fresh.url, "restore", b("c2r", checkpoint_dir=str(tmp_path), episode_ids=scope)
     )
     assert (status, reply["error"]["code"]) == (422, "invalid_checkpoint_state")
-    assert "digest" in reply["error"]["detail"] and fresh.participant.episodes == {}
+    assert "digest" in reply["error"]["detail"]
+    assert fresh.participant.episodes == {}
 
 
 async def test_retire_not_fenced_when_idle_marks_only_rise_forget_clears(
@@ -231,15 +246,17 @@ async def test_retire_not_fenced_when_idle_marks_only_rise_forget_clears(
     p.start("r", 2)
     # A delayed retire of a lower attempt never lowers the mark or stops attempt 2.
     await post(http, s.url, "retire", b("x", episode_ids=[{"rollout_id": "r", "attempt": 1}]))
-    assert p.marks == {"r": 1} and "r-a2" in p.episodes
+    assert p.marks == {"r": 1}
+    assert "r-a2" in p.episodes
     err = None
     try:
         p.start("r", 1)
-    except Exception as exc:  # noqa: BLE001 - the data plane's refusal
+    except Exception as exc:
         err = getattr(exc, "code", None)
     assert err == "stale_attempt"
     status, reply = await post(http, s.url, "forget", b("forget", rollout_ids=["r", "q"]))
-    assert (status, reply) == (200, {"forgotten": ["q", "r"]}) and p.marks == {}
+    assert (status, reply) == (200, {"forgotten": ["q", "r"]})
+    assert p.marks == {}
     p.start("r", 1)  # allowed again after forget
 
 
@@ -248,7 +265,8 @@ async def test_lease_expiry_is_an_abort(serve_nemo: Serve, http: aiohttp.ClientS
     await post(http, s.url, "prepare", b("c1", ahead=0.0))
     assert s.participant.phase == "prepared"
     await asyncio.sleep(0.6)
-    assert s.participant.phase == "idle" and s.participant.admission_open
+    assert s.participant.phase == "idle"
+    assert s.participant.admission_open
     status, reply = await post(http, s.url, "commit", b("c1", checkpoint_dir="/tmp/x"))
     assert (status, reply["error"]["code"]) == (409, "stale_checkpoint")
 
@@ -256,4 +274,5 @@ async def test_lease_expiry_is_an_abort(serve_nemo: Serve, http: aiohttp.ClientS
 def test_capture_keys_round_trip() -> None:
     for key, eid in (("r", ("r", 0)), ("r-a2", ("r", 2)), ("x-a0", ("x-a0", 0))):
         e = EpisodeId.from_capture_key(key)
-        assert (e.rollout_id, e.attempt) == eid and e.capture_key == key
+        assert (e.rollout_id, e.attempt) == eid
+        assert e.capture_key == key

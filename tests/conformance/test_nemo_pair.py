@@ -49,7 +49,8 @@ async def test_nemo_controller_full_cycle_on_nemo_participants(
 
     # A straggler: prepare stops at the agent stage, resources are never asked.
     result = await ctl.prepare(members, "ckpt-1", time.time() + 0.2)
-    assert not result.prepared and result.blockers() == {"s-agent": ["r1"]}
+    assert not result.prepared
+    assert result.blockers() == {"s-agent": ["r1"]}
     assert [op for op, _ in parts["resources"].calls] == []
     await ctl.retire_stragglers(members, "ckpt-1", result, time.time() + 5)
     assert all(p.phase == "idle" and p.marks == {"r1": 0} for p in parts.values())
@@ -57,7 +58,8 @@ async def test_nemo_controller_full_cycle_on_nemo_participants(
         p.start("r1", 1)  # re-run as attempt+1
 
     result = await ctl.prepare(members, "ckpt-2", time.time() + 5)
-    assert result.prepared and result.restarts() == {"r2"}
+    assert result.prepared
+    assert result.restarts() == {"r2"}
     in_flight = [{"rollout_id": "r0", "attempt": 0}, {"rollout_id": "r1", "attempt": 1},
                  {"rollout_id": "r2", "attempt": 0}]  # fmt: skip
     scope = result.continued(in_flight)
