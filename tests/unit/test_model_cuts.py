@@ -17,6 +17,7 @@ import pytest
 
 from participants.fleet import FACTORIES, FleetConfig
 from participants.local import LocalServer, start_local_server
+from participants.servers.model import ModelServer
 from tests.unit.helpers import body, until
 
 CONFIG = FleetConfig()
@@ -29,6 +30,11 @@ async def model_server(name: str) -> LocalServer:
     return await start_local_server(
         "model", FACTORIES["model"], name, CONFIG, seed=5, tokens_per_turn=8, token_delay_s=0.02
     )
+
+
+def model_of(server: LocalServer) -> ModelServer:
+    assert isinstance(server.server, ModelServer)
+    return server.server
 
 
 async def respond(
@@ -55,11 +61,11 @@ async def cut_and_restore(
     try:
         expected = (await respond(http, old, "base", REQUEST))["token_ids"]
         run = asyncio.create_task(respond(http, old, "r", REQUEST))
-        calls = old.server.participant.calls
+        calls = model_of(old).participant.calls
         await until(lambda: any(len(c.tokens) == 6 for c in calls.values()))
         assert old.controller is not None
         assert (await old.controller.handle("prepare", body("c1")))["phase"] == "prepared"
-        cut = old.server.participant.cuts
+        cut = model_of(old).participant.cuts
         assert len(cut) == 1
         cut_len = len(next(iter(cut.values())).tokens)
         assert 6 <= cut_len < 8  # a 4-token request must not get these back
@@ -93,7 +99,7 @@ async def test_a_cut_continues_only_a_call_with_the_same_generation_parameters(
 ) -> None:
     expected, new, cut_len = await cut_and_restore(http, tmp_path)
     try:
-        model = new.server
+        model = model_of(new)
         other = await respond(http, new, "r-a1", {**REQUEST, **change})
         limit = int(change.get("max_output_tokens", 8))
         # Generated from scratch under its own request: never past its own limit,
@@ -121,6 +127,6 @@ async def test_bookkeeping_fields_do_not_make_a_call_unmatched(
         request = {k: v for k, v in REQUEST.items() if k != "max_output_tokens"}
         reply = await respond(http, new, "r-a1", {**request, "metadata": {"a": "b"}, "user": "u"})
         assert reply["token_ids"] == expected
-        assert new.server.continued == cut_len
+        assert model_of(new).continued == cut_len
     finally:
         await new.stop()

@@ -15,6 +15,7 @@ import pytest
 from participants.fleet import FACTORIES, FleetConfig
 from participants.local import start_local_server
 from participants.policy_model import PolicyModelParticipant
+from participants.servers.model import ModelServer
 from ray_ckpt.control.retire_marks import RetiredAttempts
 from ray_ckpt.errors import StaleAttempt
 from ray_ckpt.identity import EpisodeId
@@ -30,6 +31,7 @@ async def test_a_call_whose_body_arrives_after_the_retire_is_refused_and_leaves_
     try:
         assert server.controller is not None
         model = server.server
+        assert isinstance(model, ModelServer)
         payload = orjson.dumps({"model": "scripted", "input": [{"role": "user", "content": "x"}]})
         host, port = server.url.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port))
