@@ -23,6 +23,13 @@ boundary of every episode and a restore continues from it under attempt + 1.
 
 Both ends of a step, and the end of the episode, are park points while a
 checkpoint is closed; a replay step's boundary takes effect only after reopen.
+No outcome leaves while admission is closed: a failure (the deadline running
+out inside a wait step included) waits at the park point like a result.
+
+A continuation (`begin` of a restored attempt) can be checked before anything
+changes with ``begin(..., expect=check)``; a refused or failed continuation
+that recorded no boundary of its own leaves the restored entry as installed.
+A restored attempt continues with the deadline budget its rollout had left.
 """
 
 from ray_ckpt.steps.episode import DeadlineScope, Episode, Step
