@@ -6,6 +6,12 @@ failure, that same write instead of exporting again.  The controller keeps
 the phase machine, the lock, the write registry and the commit's order of
 steps; `Commits` does each step's work on the participant and the store, and
 the `Write` record carries one write's lifecycle (start, retry, stop, close).
+
+Once the records are durable the phase is `committed`, but the reply is
+cached only when the release steps after the write (freeing restored state
+the scope left out, parking exported state on `stop`) are done too: a step
+that misses its deadline, or a cancelled call, is finished by a retry of the
+same commit, which skips the steps already done.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from ray_ckpt.control.phase_machine import Phase
 from ray_ckpt.control.timing import within
 from ray_ckpt.control.wire import MAX_REPORTED_BLOCKERS, CommitRequest, to_builtins
-from ray_ckpt.errors import CheckpointConflict, InvalidPhase, RestartInScope
+from ray_ckpt.errors import CheckpointConflict, DeadlineExceeded, InvalidPhase, RestartInScope
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage.record import Record, check_json
 from ray_ckpt.storage.seam import StopHandle
@@ -43,6 +49,11 @@ class Write:
     records: list[Record]
     stop: StopHandle
     task: asyncio.Task[Any] | None = None
+    # Set once the records are durable (the phase is then committed); the
+    # release steps after it may still fail and be retried with the same ID.
+    manifest: Any = None
+    released: bool = False
+    parked: bool = False
 
     def check_same(self, req: CommitRequest, scope: CommitScope) -> None:
         """Another commit of the checkpoint must name this write's directory and scope."""
@@ -112,31 +123,39 @@ class Commits:
             )
         return task
 
-    async def finish(
-        self, req: CommitRequest, scope: CommitScope, write: Write, manifest: Any
-    ) -> dict[str, Any]:
+    async def finish(self, req: CommitRequest, scope: CommitScope, write: Write) -> dict[str, Any]:
         """Once the write is durable: drop what the scope left out, park the
-        exported episodes if the controller stops, and build the reply."""
+        exported episodes if the controller stops, and build the reply.
+
+        A step that misses the deadline (or whose call is cancelled) raises
+        and is run again by a retry of the same commit; a step done is not
+        repeated.
+        """
         c = self._controller
-        if scope is not None:
+        if scope is not None and not write.released:
             await within(c.clock, req, "release unscoped", c.participant.delete_restored(scope))
-        if req.stop:
-            await self._park_exported(write.records)
+        write.released = True
+        if req.stop and not write.parked:
+            await self._park_exported(req, write.records)
+        write.parked = True
         return {
             "phase": Phase.COMMITTED.value,
-            "manifest": to_builtins(manifest),
+            "manifest": to_builtins(write.manifest),
             "episode_ids": sorted(r.key for r in write.records),
         }
 
-    async def _park_exported(self, records: list[Record]) -> None:
+    async def _park_exported(self, req: CommitRequest, records: list[Record]) -> None:
         """The controller stops instead of resuming: once the write is durable,
         free external compute the exported episodes hold (best effort: a
-        failure only costs resources, never the checkpoint)."""
+        failure only costs resources, never the checkpoint, so it is logged;
+        only the deadline fails the call, for a retry to park again)."""
         c = self._controller
         park = getattr(c.participant, "park_exported", None)
         if park is None:
             return
         try:
-            await park(records)
-        except Exception:
+            await within(c.clock, req, "park exported", park(records))
+        except Exception as exc:
+            if isinstance(exc, DeadlineExceeded):
+                raise
             log.warning("%s/%s: park_exported failed", c.kind, c.instance, exc_info=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from typing import Any
 
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
@@ -37,7 +38,8 @@ from ray_ckpt.control.wire import (
     decode_request,
     to_builtins,
 )
-from ray_ckpt.errors import CheckpointConflict, DeadlineExceeded, InvalidCheckpointState
+from ray_ckpt.errors import CheckpointConflict, InvalidCheckpointState
+from ray_ckpt.identity import EpisodeId
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.storage.seam import FileRecordStore, RecordStore
 
@@ -68,7 +70,9 @@ class ParticipantController:
         self._writes: dict[str, Write] = {}
         self._commits = Commits(self)
         self._restores = Restores(self)
-        self._retiring = 0
+        # The attempts named by the retires in flight (with repeats), for a
+        # participant without a `retiring()` hook.
+        self._retiring: Counter[EpisodeId] = Counter()
         self._lease = LeaseWatcher(self)
         participant.bind(self.notify)
 
@@ -110,10 +114,20 @@ class ParticipantController:
             "checkpoint_id": self.state.checkpoint_id,
             "lease_expires_at": self.state.lease_expires_at,
             "retired_rollouts": len(self.retired),
-            "retiring": self._retiring,
+            "retiring": self._retiring_now(),
             "live_executions": self.participant.live_executions(),
             "report": to_builtins(self.participant.report(MAX_REPORTED_BLOCKERS)),
         }
+
+    def _retiring_now(self) -> int:
+        """The attempts being stopped right now: the participant knows (a
+        retire of `r` attempt 2 stops attempts 0-2, and stops that outlive a
+        cancelled retire call go on); without its hook, the distinct attempts
+        named by the retires in flight."""
+        hook = getattr(self.participant, "retiring", None)
+        if hook is not None:
+            return int(hook())
+        return len(self._retiring)
 
     # --- prepare -----------------------------------------------------------
     async def prepare(self, req: CheckpointRequest) -> dict[str, Any]:
@@ -136,7 +150,9 @@ class ParticipantController:
         async with self._lock:
             report = to_builtins(self.participant.report(MAX_REPORTED_BLOCKERS))
             if self.state.checkpoint_id != cid:
-                return {"phase": self.state.phase.value, "report": report}
+                # A resume (or a lapsed lease) ended this checkpoint while we
+                # waited: answer for this ID, not for one opened since.
+                return {"phase": Phase.IDLE.value, "report": report}
             if self.state.phase is Phase.PREPARING and self.participant.ready():
                 self.state.fire(Event.READY)
                 report = to_builtins(self.participant.report(MAX_REPORTED_BLOCKERS))
@@ -161,10 +177,14 @@ class ParticipantController:
             write = self._writes.get(cid)
             if write is not None:
                 write.check_same(req, scope)
-            cached = self.state.admit("commit", cid)
+            # Durable but not answered: a release step failed; a retry finishes it.
+            releasing = write is not None and write.manifest is not None
+            cached = self.state.admit("commit", cid, unfinished=releasing)
             if cached is not None:
                 return dict(cached)
             self._renew(req)
+            if write is not None and releasing:
+                return await self._finish_commit(req, scope, write)
             if write is None:
                 write = self._writes[cid] = await self._commits.export(req, scope)
             # First try, or a retry after the store failed: store the same records again.
@@ -172,36 +192,63 @@ class ParticipantController:
         # The write is shielded: a missed deadline fails this call, not the write.
         manifest = await within(self.clock, req, "commit write", asyncio.shield(task))
         async with self._lock:
-            if self.state.checkpoint_id != cid or self.state.phase is not Phase.PREPARED:
+            if self.state.checkpoint_id != cid or self._writes.get(cid) is not write:
                 cached = self.state.results.get((cid, "commit"))
                 if cached is not None:
                     return dict(cached)
                 raise InvalidCheckpointState(f"commit of {cid} was stopped by a resume")
-            self.state.fire(Event.COMMIT)
-            reply = await self._commits.finish(req, scope, write, manifest)
-            self.state.cache("commit", cid, reply)
-            return reply
+            if self.state.phase is Phase.PREPARED:
+                self.state.fire(Event.COMMIT)
+                write.manifest = manifest
+            cached = self.state.results.get((cid, "commit"))
+            if cached is not None:
+                # A concurrent retry of this commit finished it first.
+                return dict(cached)
+            return await self._finish_commit(req, scope, write)
+
+    async def _finish_commit(
+        self, req: CommitRequest, scope: tuple[EpisodeId, ...] | None, write: Write
+    ) -> dict[str, Any]:
+        """The release steps, then the reply, cached only once all of it is done."""
+        reply = await self._commits.finish(req, scope, write)
+        self.state.cache("commit", req.checkpoint_id, reply)
+        return reply
 
     # --- restore -------------------------------------------------------------
     async def restore(self, req: RestoreRequest) -> dict[str, Any]:
         cid = req.checkpoint_id
         async with self._lock:
-            cached = self.state.admit("restore", cid)
+            install = self._restores.pending(cid)
+            cached = self.state.admit("restore", cid, unfinished=install is not None)
             if cached is not None:
                 return dict(cached)
-            manifest, records = await self._restores.read(req)
-            await self._apply(self.state.fire(Event.RESTORE, cid))
-            try:
-                installed = await self._restores.install(req, records)
-            except DeadlineExceeded:
-                # The install outlived the call and runs on: nothing to reopen yet.
-                raise
-            except BaseException:
-                # Nothing was installed (install is all or nothing): reopen.
-                await self._apply(self.state.fire(Event.RESTORE_FAILED))
-                raise
+            if install is not None:
+                install.check_same(req)
+            else:
+                manifest, records = await self._restores.read(req)
+                await self._apply(self.state.fire(Event.RESTORE, cid))
+                install = self._restores.begin(req, manifest, records)
+            # The lease runs from the restore's start: if the install outlives
+            # this call and the coordinator goes away, the lease still resumes.
             self._renew(req)
-            reply = restore_reply(manifest, installed)
+            try:
+                # Shielded: a missed deadline or a cancelled call (ray.cancel
+                # of the coordinator's fan-out) ends this call, not the
+                # install; the phase stays restored with admission closed
+                # until the install ends and a retry, resume or lapse decides.
+                installed = await within(self.clock, req, "install", asyncio.shield(install.task))
+            except BaseException:
+                if not install.failed():
+                    raise
+                # The install itself raised: free what it left, reopen, and
+                # answer with a typed error (the ID is not consumed).
+                error = self._restores.failure(install)
+                cause = None if install.task.cancelled() else install.task.exception()
+                await self._restores.settle()
+                await self._apply(self.state.fire(Event.RESTORE_FAILED))
+                raise error from cause
+            install.answered = True
+            reply = restore_reply(install.manifest, installed)
             self.state.cache("restore", cid, reply)
             return reply
 
@@ -210,7 +257,8 @@ class ParticipantController:
         cid = req.checkpoint_id
         async with self._lock:
             if self.state.is_resumed(cid):
-                return {"phase": self.state.phase.value, "idempotent": True}
+                # For the ID resumed, whatever else has opened since.
+                return {"phase": Phase.IDLE.value, "idempotent": True}
             active = self.state.checkpoint_id
             if active is not None and active != cid:
                 raise CheckpointConflict(f"checkpoint {active} is open; resume of {cid} refused")
@@ -218,7 +266,10 @@ class ParticipantController:
                 # The prepare never reached us: record the ID so it is refused if it does.
                 self.state.remember_resumed(cid)
                 return {"phase": self.state.phase.value, "idempotent": False}
-            await self._restores.installed()
+            if self.state.phase is Phase.RESTORED:
+                await self._restores.installed()
+                await self._restores.settle()
+                self._restores.end()
             await self._apply(self.state.fire(Event.RESUME))
             return {"phase": self.state.phase.value, "idempotent": False}
 
@@ -231,12 +282,12 @@ class ParticipantController:
                 self.retired.mark(episode)
             if self.state.phase is Phase.RESTORED:
                 self._renew(req)
-            self._retiring += len(req.episode_ids)
+            self._retiring.update(req.episode_ids)
         try:
             await within(self.clock, req, "install wait", self._restores.installed())
             keys = await within(self.clock, req, "retire", self.participant.retire(req.episode_ids))
         finally:
-            self._retiring -= len(req.episode_ids)
+            self._retiring -= Counter(req.episode_ids)
             self.notify()
         return {"retired": sorted(keys)}
 
@@ -261,6 +312,11 @@ class ParticipantController:
             log.warning(
                 "%s/%s: lease of checkpoint %s expired; resuming", self.kind, self.instance, cid
             )
+            if self.state.phase is Phase.RESTORED:
+                # Nobody will retry or resume this restore: stop an install
+                # still running and free what no restore call answered for,
+                # before admission reopens.
+                await self._restores.abandon()
             await self._apply(self.state.fire(Event.LEASE_EXPIRED))
             return True
 
@@ -270,6 +326,7 @@ class ParticipantController:
 
     async def aclose(self) -> None:
         await self._lease.stop()
+        await self._restores.aclose()
         for write in list(self._writes.values()):
             await write.close()
         self._writes.clear()

@@ -114,10 +114,14 @@ class ControlState:
     def is_resumed(self, checkpoint_id: str) -> bool:
         return checkpoint_id in self.resumed
 
-    def admit(self, op: str, checkpoint_id: str) -> Any | None:
+    def admit(self, op: str, checkpoint_id: str, *, unfinished: bool = False) -> Any | None:
         """Fence a call: stale, then conflict, then phase.
 
         Returns the cached reply of a completed identical call, else None.
+        `unfinished`: the controller knows this same-ID call started and never
+        answered (a commit whose release step failed, a restore whose install
+        outlived its call), so a retry may join it instead of being refused as
+        a different repeat.
         """
         if checkpoint_id in self.resumed:
             raise StaleCheckpoint(f"checkpoint {checkpoint_id} was already resumed")
@@ -131,6 +135,8 @@ class ControlState:
             return cached
         if self.phase not in ALLOWED[op]:
             raise InvalidPhase(f"{op} is not valid in phase {self.phase.value}")
+        if unfinished:
+            return None
         # Same-ID repeats that are legal only as replays of a finished call.
         if op == "commit" and self.phase is Phase.COMMITTED:
             raise InvalidPhase(f"commit of {checkpoint_id} already finished differently")

@@ -22,9 +22,17 @@ KINDS = ("environment", "model", "agent", "resources")
 
 @runtime_checkable
 class Participant(Protocol):
-    """Required hooks.  Optional: `async park_exported(records)`, called after a
-    durable commit with `stop=true` (the controller stops instead of resuming)
-    to free external compute such as sandboxes; failures are only logged."""
+    """Required hooks, and optional ones the controller looks up by name:
+
+    - `async park_exported(records)`: called after a durable commit with
+      `stop=true` (the controller stops instead of resuming) to free external
+      compute such as sandboxes, inside the commit's deadline; failures are
+      only logged, a missed deadline fails the commit for a retry to park again.
+    - `retiring() -> int`: how many attempts are being stopped right now,
+      reported as `status.retiring` (stops that outlive a cancelled retire
+      call included).  Without it the controller counts the distinct attempts
+      named by the retire calls in flight.
+    """
 
     kind: str
 
@@ -62,6 +70,13 @@ class Participant(Protocol):
         """Validate every record, then install each under attempt + 1.
 
         Installs nothing if any record is invalid; returns the next attempts.
+        Raise `InvalidCheckpointState` for a bad record; any other exception
+        (a `TypeError` from a user's setstate) is reported as that too.  After
+        a failure, or when the install is cancelled (a lapsed lease), the
+        controller calls `delete_restored(())` to free whatever it left, so
+        the install may be interrupted at any await.  Once it succeeds, the
+        controller refuses attempts <= N of each installed rollout
+        (`stale_attempt`) until `forget`.
         """
         ...
 

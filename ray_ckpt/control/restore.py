@@ -2,26 +2,76 @@
 
 A participant restores at most once, into a fresh process, and the install
 of the read records may outlive the restore call that started it (a missed
-deadline fails the call, not the install).  Retire and resume must wait for
-such an install, so `Restores` remembers it.  The controller keeps the phase
-machine, the lock and the restore's order of steps; this module holds the
-restore's own state and its work on the participant and the store.
+deadline or a cancelled call fails the call, not the install).  `Restores`
+remembers that install (`Install`) so that:
+
+- a retried restore with the same ID joins it and answers its result;
+- retire and resume wait for it, so admission never reopens while it runs;
+- a lapsed lease cancels it if it still runs and frees what it installed,
+  unless a restore call already answered its result (then the coordinator
+  knows the state and retires or claims it);
+- an install that raised leaves nothing installed (`settle`).
+
+An install that succeeds raises the retire marks of the attempts it
+replaced (attempt N of each rollout when it installs N + 1), so a late data
+call of an older attempt is refused `stale_attempt` until `forget`.
+
+The controller keeps the phase machine, the lock and the restore's order of
+steps; this module holds the restore's own state and its work on the
+participant and the store.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ray_ckpt.control.phase_machine import Phase
 from ray_ckpt.control.timing import within
 from ray_ckpt.control.wire import RestoreRequest
-from ray_ckpt.errors import DeadlineExceeded, InvalidPhase
+from ray_ckpt.errors import (
+    CheckpointConflict,
+    CheckpointError,
+    InvalidCheckpointState,
+    InvalidPhase,
+)
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage.record import Record
 
 if TYPE_CHECKING:
     from ray_ckpt.control.controller import ParticipantController
+
+# The controller's logger, not this module's: moving the code out of the
+# controller must not move its warnings away from the operators' log filters.
+log = logging.getLogger("ray_ckpt.control.controller")
+
+
+@dataclass
+class Install:
+    """One restore's install, which may outlive the call that started it."""
+
+    checkpoint_id: str
+    checkpoint_dir: str
+    episode_ids: tuple[EpisodeId, ...]
+    manifest: Any
+    task: asyncio.Task[list[EpisodeId]]
+    # A restore call answered its result: the coordinator knows the state.
+    answered: bool = False
+
+    def check_same(self, req: RestoreRequest) -> None:
+        """A retry must name this install's directory and episodes."""
+        if (self.checkpoint_dir, self.episode_ids) != (req.checkpoint_dir, tuple(req.episode_ids)):
+            raise CheckpointConflict(
+                f"restore of {req.checkpoint_id} already runs with another directory or scope"
+            )
+
+    def failed(self) -> bool:
+        """Finished by raising (a cancelled install counts: it may be partial)."""
+        return self.task.done() and (self.task.cancelled() or self.task.exception() is not None)
 
 
 class Restores:
@@ -31,10 +81,17 @@ class Restores:
         # Read at each call, not copied: the controller's participant and store
         # are public attributes a host or a test may replace.
         self._controller = controller
-        # Set once an install ran and did not fail outright (it succeeded, or
-        # outlived its deadline and may still be installing).
+        # Set once an install started, cleared only when one failed and its
+        # leftovers were freed (then the process may restore again).
         self.restored_once = False
-        self._install: asyncio.Future[list[EpisodeId]] | None = None
+        self.current: Install | None = None
+
+    def pending(self, checkpoint_id: str) -> Install | None:
+        """The install of `checkpoint_id` no call has answered yet, if any."""
+        install = self.current
+        if install is None or install.checkpoint_id != checkpoint_id or install.answered:
+            return None
+        return install
 
     async def read(self, req: RestoreRequest) -> tuple[Any, list[Record]]:
         """In a fresh process only: read this participant's records of the
@@ -59,26 +116,108 @@ class Restores:
             ),
         )
 
-    async def install(self, req: RestoreRequest, records: list[Record]) -> list[EpisodeId]:
-        """Install `records`; a failure other than the deadline installed nothing."""
-        c = self._controller
-        # Shielded: an install that outlives the deadline keeps running (the
-        # call fails); retire and resume wait for it, so admission never
-        # reopens on half-installed state and a cleanup retire frees it all.
-        install = asyncio.ensure_future(c.participant.install(records))
-        self._install = install
-        try:
-            installed = await within(c.clock, req, "install", asyncio.shield(install))
-        except DeadlineExceeded:
-            self.restored_once = True
-            raise
+    def begin(self, req: RestoreRequest, manifest: Any, records: list[Record]) -> Install:
+        """Start installing `records` as a task of its own: a missed deadline
+        or a cancelled call fails the call, never the install."""
+        task = asyncio.ensure_future(self._install_and_mark(records))
+        self.current = Install(
+            req.checkpoint_id, req.checkpoint_dir, tuple(req.episode_ids), manifest, task
+        )
         self.restored_once = True
+        return self.current
+
+    async def _install_and_mark(self, records: Sequence[Record]) -> list[EpisodeId]:
+        c = self._controller
+        installed = await c.participant.install(records)
+        # Attempt N + 1 is installed: attempts <= N of those rollouts are over
+        # here, as if retired (a late step of attempt N must not be served
+        # from the fresh, empty state of this process).
+        for record in records:
+            c.retired.mark(record.episode_id)
         return installed
+
+    def failure(self, install: Install) -> CheckpointError:
+        """The typed error of an install that raised: a hook's own typed error
+        stands; anything else (a TypeError from a user's setstate) is bad
+        checkpoint state, which a retry cannot heal, never `unavailable`."""
+        c = self._controller
+        if install.task.cancelled():
+            return InvalidCheckpointState(
+                f"{c.kind}/{c.instance}: install of {install.checkpoint_id} was cancelled"
+            )
+        exc = install.task.exception()
+        if isinstance(exc, CheckpointError):
+            return exc
+        return InvalidCheckpointState(
+            f"{c.kind}/{c.instance}: install of {install.checkpoint_id} failed: "
+            f"{type(exc).__name__}: {exc}"
+        )
+
+    async def settle(self) -> None:
+        """After the install ended: if it raised, free whatever it left and
+        let the process restore again (nothing stays installed)."""
+        install = self.current
+        if install is None or not install.failed():
+            return
+        self.current = None
+        await self._free_restored(install)
+        self.restored_once = False
+
+    async def abandon(self) -> None:
+        """A lapsed lease: stop an install no call answered and free its state.
+
+        Waits for the cancelled install to end before returning, so the caller
+        reopens admission only once nothing installs any more.
+        """
+        install, self.current = self.current, None
+        if install is None:
+            return
+        if not install.task.done():
+            install.task.cancel()
+        await asyncio.wait([install.task])
+        if install.answered and not install.failed():
+            return
+        await self._free_restored(install)
+
+    async def _free_restored(self, install: Install) -> None:
+        c = self._controller
+        try:
+            freed = await c.participant.delete_restored(())
+        except Exception:
+            # Best effort: the participant still resumes; a retire can free it.
+            log.warning(
+                "%s/%s: freeing the state of install %s failed",
+                c.kind,
+                c.instance,
+                install.checkpoint_id,
+                exc_info=True,
+            )
+            return
+        if freed:
+            log.warning(
+                "%s/%s: dropped restored state of %s: %s",
+                c.kind,
+                c.instance,
+                install.checkpoint_id,
+                freed,
+            )
+
+    def end(self) -> None:
+        """The restore was resumed: it is over, and no retry may join it."""
+        self.current = None
 
     async def installed(self) -> None:
         """Wait for an install that outlived its restore call (its outcome is moot)."""
-        if self._install is not None and not self._install.done():
-            await asyncio.wait([self._install])
+        install = self.current
+        if install is not None and not install.task.done():
+            await asyncio.wait([install.task])
+
+    async def aclose(self) -> None:
+        install = self.current
+        if install is not None and not install.task.done():
+            install.task.cancel()
+            with contextlib.suppress(BaseException):
+                await install.task
 
 
 def restore_reply(manifest: Any, installed: list[EpisodeId]) -> dict[str, Any]:
