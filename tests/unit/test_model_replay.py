@@ -101,3 +101,24 @@ async def test_a_response_the_agent_dropped_is_replaced_not_repeated_after_resto
         assert lineage(collected["r-a1"]) == expected_rows
     finally:
         await new.stop()
+
+
+@pytest.mark.parametrize("position", ["-1", "one", "²", "99999999999"])
+async def test_a_malformed_call_position_is_a_400_and_admits_nothing(
+    http: aiohttp.ClientSession, position: str
+) -> None:
+    fleet = await start_local_fleet(CONFIG)
+    try:
+        request = {"input": [{"role": "user", "content": "x"}]}
+        async with http.post(
+            fleet.urls["model"] + "/ng-rollout/r/v1/responses",
+            json=request,
+            headers={"x-ng-model-call": position},
+        ) as resp:
+            assert resp.status == 400
+            assert (await resp.json())["error"]["code"] == "invalid_request"
+        model = fleet.server("model")
+        assert model.generated == 0
+        assert model.participant.fresh()
+    finally:
+        await fleet.stop()
