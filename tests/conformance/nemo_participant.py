@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import itertools
 import json
 import math
 import os
@@ -50,6 +51,7 @@ MAX_REPORTED_BLOCKERS = 100
 RESUMED_IDS_KEPT = 64
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 _RESERVED_SUFFIX = re.compile(r"-a([1-9][0-9]*)$")
+_SEQ = itertools.count()  # one order over every participant in the process: call order
 _RECORDS_FILE = re.compile(r"^records-[0-9a-f]{64}\.jsonl$|^records\.jsonl$")
 
 
@@ -183,6 +185,7 @@ class NemoParticipant:
     marks: dict[str, int] = field(default_factory=dict)
     served: bool = False
     calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    seq: list[int] = field(default_factory=list)  # `_SEQ` number of each call
     _resumed: OrderedDict[str, None] = field(default_factory=OrderedDict)
     _cache: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -300,6 +303,7 @@ class NemoParticipant:
     # --- operations ------------------------------------------------------------
     async def handle(self, op: str, req: CheckpointRequest) -> dict[str, Any]:
         self.calls.append((op, req.model_dump(mode="json")))
+        self.seq.append(next(_SEQ))
         handler = getattr(self, f"_op_{op}")
         reply: dict[str, Any] = await handler(req)
         return reply

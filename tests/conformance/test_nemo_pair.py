@@ -54,6 +54,9 @@ async def test_nemo_controller_full_cycle_on_nemo_participants(
     assert [op for op, _ in parts["resources"].calls] == []
     await ctl.retire_stragglers(members, "ckpt-1", result, time.time() + 5)
     assert all(p.phase == "idle" and p.marks == {"r1": 0} for p in parts.values())
+    for p in parts.values():  # resume, then retire under the SAME checkpoint ID
+        ops = [(op, body["checkpoint_id"]) for op, body in p.calls]
+        assert ops[-2:] == [("resume", "ckpt-1"), ("retire", "ckpt-1")], (p.kind, ops)
     for p in parts.values():
         p.start("r1", 1)  # re-run as attempt+1
 
@@ -70,6 +73,8 @@ async def test_nemo_controller_full_cycle_on_nemo_participants(
         f"s-{k}": ["r0", "r1-a1"] for k in KINDS
     }
     assert await ctl.resume(members, "ckpt-2", time.time() + 5) == {}
+    resumed_at = {k: p.seq[-1] for k, p in parts.items()}
+    assert sorted(resumed_at, key=resumed_at.__getitem__) == list(reversed(KINDS))
 
     # Restore into fresh apps under a restore-<hex> ID.
     fresh = {kind: await serve_nemo(kind) for kind in KINDS}
@@ -104,11 +109,18 @@ async def test_failed_restore_retires_next_attempts_everywhere_then_resumes(
     fresh: dict[str, Served] = {kind: await serve_nemo(kind) for kind in KINDS}
     fresh["agent"].participant.start("busy")  # served: restore refuses it
     members = await ctl.discover({k: s.url for k, s in fresh.items()})
+    rid = restore_id()
+    assert rid.startswith("restore-")
     with pytest.raises(CoordinationError) as info:
-        await ctl.restore(members, restore_id(), time.time() + 5, where, [{"rollout_id": "r0"}])
+        await ctl.restore(members, rid, time.time() + 5, where, [{"rollout_id": "r0"}])
     assert set(info.value.failures) == {"agent"}
     for s in fresh.values():
         p = s.participant
         assert (p.phase, p.marks) == ("idle", {"r0": 1}), p.kind
         assert "r0-a1" not in p.episodes  # restored state freed
-    assert [op for op, _ in fresh["model"].participant.calls] == ["restore", "retire", "resume"]
+    calls = fresh["model"].participant.calls
+    assert [op for op, _ in calls] == ["restore", "retire", "resume"]
+    retire = calls[1][1]
+    assert retire["checkpoint_id"] == rid
+    assert retire["episode_ids"] == [{"rollout_id": "r0", "attempt": 1}]
+    assert retire["deadline_ts"] >= time.time() + 25  # the cleanup gets at least 30 s
