@@ -47,7 +47,9 @@ class EpisodeParticipant:
         return self.steps.retiring()
 
     async def export(self, scope: Sequence[EpisodeId] | None) -> list[Record]:
-        return self.steps.export(scope)
+        # The episodes are this server's only state: one gone from the
+        # scope's checkpoint is a lost capture, never a silent omission.
+        return self.steps.export(scope, require_held=True)
 
     async def install(self, records: Sequence[Record]) -> list[EpisodeId]:
         return self.steps.install(records)

@@ -207,9 +207,7 @@ class EpisodeSteps:
                 # checkpoint the episode stays at its boundary, so a prepared
                 # participant does not turn unready on the way out.
                 ep.park_cancelled = True
-                self._transition(
-                    ep, EpisodeState.RUNNING if self._open else EpisodeState.PARKED
-                )
+                self._transition(ep, EpisodeState.RUNNING if self._open else EpisodeState.PARKED)
                 return
             # Any other failure (the deadline inside a wait step included) is
             # an outcome: it waits here, parked at that boundary, until
@@ -284,16 +282,24 @@ class EpisodeSteps:
 
     # --- export and restore ----------------------------------------------------
 
-    def export(self, scope: Sequence[EpisodeId] | None) -> list[Record]:
+    def export(
+        self, scope: Sequence[EpisodeId] | None, *, require_held: bool = False
+    ) -> list[Record]:
         """Records for the episodes in scope (all capturable ones when None).
 
         Needs closed admission and every exported episode at a boundary.
         Restored episodes whose replacement has not begun are included (named
         by the replacement attempt), so a second crash still continues them.
+        With `require_held` (a server whose episodes are its only state), a
+        scope naming an episode that was live here during this closed window
+        but has ended (and was not retired) raises `EpisodeNotHeld`: its
+        capture is lost and the kinds would disagree about what was captured.
+        A server that keeps state beyond the episode (the agent's sessions)
+        leaves it off.
         """
         if self._open:
             raise InvalidPhase("export needs admission closed")
-        if scope is not None:
+        if scope is not None and require_held:
             self._check_held(scope)
         return export_records(self._live, self._restored, scope)
 

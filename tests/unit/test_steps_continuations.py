@@ -18,6 +18,7 @@ from ray_ckpt.clock import ManualClock
 from ray_ckpt.errors import InvalidPhase, InvalidRequest, StaleAttempt
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.steps import EpisodeSteps, EpisodeTimeout
+from ray_ckpt.steps.participant import EpisodeParticipant
 from ray_ckpt.steps.persist import EpisodeNotHeld, RolloutExportedTwice
 from ray_ckpt.storage.record import Record
 from tests.unit.helpers import until
@@ -184,15 +185,24 @@ async def test_a_commit_naming_an_episode_served_this_checkpoint_but_gone_fails(
     steps.close_admission()
     gone.close()  # freed while closed: its capture is lost
     assert await steps.retire([EpisodeId("retired")]) == ["retired"]
+    participant = EpisodeParticipant("environment", steps)
     with pytest.raises(EpisodeNotHeld, match="gone") as info:
-        steps.export([EpisodeId("gone"), EpisodeId("kept")])
+        await participant.export([EpisodeId("gone"), EpisodeId("kept")])
     assert info.value.code == "invalid_phase"
     # Served elsewhere (never here), or retired by the control plane: not an error.
-    assert [r.key for r in steps.export([EpisodeId("kept"), EpisodeId("elsewhere")])] == ["kept"]
-    assert [r.key for r in steps.export([EpisodeId("retired"), EpisodeId("kept")])] == ["kept"]
+    scopes = (
+        [EpisodeId("kept"), EpisodeId("elsewhere")],
+        [EpisodeId("retired"), EpisodeId("kept")],
+    )
+    for scope in scopes:
+        assert [r.key for r in await participant.export(scope)] == ["kept"]
+    # A table whose owner keeps state beyond the episode (the agent) opts out.
+    assert [r.key for r in steps.export([EpisodeId("gone"), EpisodeId("kept")])] == ["kept"]
     steps.open_admission()
     steps.close_admission()  # a new checkpoint: `gone` ended before it
-    assert [r.key for r in steps.export([EpisodeId("gone"), EpisodeId("kept")])] == ["kept"]
+    assert [r.key for r in await participant.export([EpisodeId("gone"), EpisodeId("kept")])] == [
+        "kept"
+    ]
     steps.open_admission()
     await kept.end()
 
