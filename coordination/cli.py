@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import click
 import msgspec
 
+from coordination.results import ParticipantStatus
 from ray_ckpt.errors import CheckpointError, CoordinationFailed
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -88,7 +89,7 @@ def status(address: str, namespace: str, as_json: bool) -> None:
     for col in ("phase", "checkpoint", "lease until", "live", "blockers"):
         table.add_column(col)
     for p in st.participants:
-        blockers = ", ".join(p.blockers[:5]) + (" …" if p.blocker_count > 5 else "")
+        blockers = ", ".join(_blocker_cell(p)[:5]) + (" …" if p.blocker_count > 5 else "")
         table.add_row(
             p.participant,
             p.phase or f"[red]{p.error or '?'}[/red]",
@@ -98,6 +99,16 @@ def status(address: str, namespace: str, as_json: bool) -> None:
             blockers or "-",
         )
     Console().print(table)
+
+
+def _blocker_cell(p: ParticipantStatus) -> list[str]:
+    """Each blocker's key, with its state and step when the participant says them
+    (`blocker_details`); a participant that sends keys only shows keys."""
+    cells: list[str] = []
+    for d in p.blocker_details or [{"key": k} for k in p.blockers]:
+        extra = " ".join(str(d[f]) for f in ("state", "step") if d.get(f) is not None)
+        cells.append(f"{d.get('key')} ({extra})" if extra else str(d.get("key")))
+    return cells
 
 
 @main.command()

@@ -23,6 +23,7 @@ from coordination.fanout import failure
 from coordination.manifests import ManifestReader, read_listed
 from coordination.order import Member, forget_groups, retire_groups
 from coordination.phase_driver import PhaseDriver
+from coordination.replies import string_list
 from coordination.restore import restore, undo_restore
 from coordination.results import (
     CheckpointResult,
@@ -170,7 +171,7 @@ class CoordinatorCore(PhaseDriver):
         groups = forget_groups if op == "forget" else retire_groups
         for group in groups(self._members()):
             out = await self._group(group, op, body, deadline_ts)
-            done.update({k: list(r.get(reply_field, [])) for k, r in out.replies.items()})
+            done.update({k: string_list(r.get(reply_field)) for k, r in out.replies.items()})
             if out.errors:
                 # Callers before callees: stop here; the call is idempotent, retry it.
                 raise coordination_failed(op, oid, {k: failure(e) for k, e in out.errors.items()})

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordination.hosts import Host
+from coordination.replies import blocker_count, blocker_details, blocker_keys
 from ray_ckpt.errors import CheckpointError, DeadlineExceeded, ParticipantUnavailable
 
 
@@ -67,7 +68,15 @@ async def fan_out(
             continue
         exc = task.exception()
         if exc is None:
-            out.replies[key], out.timings[key] = task.result()
+            reply, out.timings[key] = task.result()
+            if isinstance(reply, Mapping):
+                out.replies[key] = dict(reply)
+            else:
+                # Read tolerantly everywhere else; a reply that is not even an
+                # object fails only that participant, named.
+                out.errors[key] = ParticipantUnavailable(
+                    f"{op} to {key}: reply is not a JSON object: {reply!r}"[:500]
+                )
         elif isinstance(exc, CheckpointError):
             out.errors[key] = exc
             out.timings[key] = time.monotonic() - start
@@ -81,6 +90,9 @@ def failure(err: CheckpointError, report: Mapping[str, Any] | None = None) -> di
     """A participant's failure as data: code, detail, and its blockers if known."""
     entry: dict[str, Any] = {"code": err.code, "detail": err.detail}
     if report:
-        entry["blockers"] = [b.get("key") for b in report.get("blockers", [])]
-        entry["blocker_count"] = report.get("blocker_count", len(entry["blockers"]))
+        entry["blockers"] = blocker_keys(report)
+        entry["blocker_count"] = blocker_count(report)
+        details = blocker_details(report)
+        if any(set(d) - {"key"} for d in details):
+            entry["blocker_details"] = details
     return entry

@@ -79,8 +79,15 @@ class ControllerPauses:
                 continue
             try:
                 await asyncio.wait_for(target.resume(cid), self.timeouts.pause_s)
-            except (TimeoutError, CheckpointError) as exc:
-                err = exc if isinstance(exc, CheckpointError) else DeadlineExceeded(str(exc))
+            except Exception as exc:
+                # Any failure of one target (a bug in it included) is reported;
+                # the others are still resumed.
+                if isinstance(exc, CheckpointError):
+                    err = exc
+                elif isinstance(exc, TimeoutError):
+                    err = DeadlineExceeded(f"{role} did not resume in time")
+                else:
+                    err = CheckpointError(f"resume of {role} raised {exc!r}"[:500])
                 failures[role] = failure(err)
                 log.warning("resume of %s for %s failed: %s", role, cid, exc)
         return failures

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from coordination.calls import coordination_failed, episode_body, new_id, reply_timeout
@@ -34,6 +34,7 @@ from coordination.manifests import ManifestWriter, write_gym_manifest_from_repli
 from coordination.order import Member, commit_groups, prepare_groups, resume_groups
 from coordination.pause import ControllerPauses
 from coordination.renewer import LeaseRenewer
+from coordination.replies import as_mapping, int_or_none, report_of, string_list
 from coordination.results import (
     CommitResult,
     PrepareResult,
@@ -44,7 +45,6 @@ from ray_ckpt.clock import SYSTEM_CLOCK, Clock
 from ray_ckpt.errors import (
     CheckpointConflict,
     CheckpointError,
-    CoordinationFailed,
     DeadlineExceeded,
     InvalidRequest,
     RestartInScope,
@@ -52,6 +52,12 @@ from ray_ckpt.errors import (
 from ray_ckpt.identity import EpisodeId
 
 log = logging.getLogger(__name__)
+
+
+def manifest_bytes(manifest: Any) -> int:
+    """Bytes a participant manifest says it holds (0 if it does not say:
+    NeMo Gym's manifests have no `bytes`; the Gym manifest measures them)."""
+    return int_or_none(as_mapping(manifest).get("bytes")) or 0
 
 
 class PhaseDriver:
@@ -183,33 +189,32 @@ class PhaseDriver:
         deadline_ts = self.clock.now() + deadline_s
         self.freeze(self.hosts)
         members = [h.member for h in self.frozen.values()]
-        self._record(JournalEntry(checkpoint_id=cid, phase="preparing", op="checkpoint"))
-        self.renewer.start(cid)
-        try:
+        # From here on whatever raises (a participant's reply, a pause target, a
+        # bug of ours, the journal) aborts: every member is resumed before the
+        # error leaves, and nothing stays open.
+        async with self._aborting(cid):
+            self._record(JournalEntry(checkpoint_id=cid, phase="preparing", op="checkpoint"))
+            self.renewer.start(cid)
             await self.pauses.pause(cid, self.pauses.prepare_roles(), deadline_s)
-        except CoordinationFailed as exc:
-            await self._abort(cid)
-            raise exc from None
-        body = {"checkpoint_id": cid, "deadline_ts": deadline_ts}
-        timings: dict[str, float] = {}
-        restarts: dict[str, list[str]] = {}
-        for group in prepare_groups(members):
-            out = await self._group(group, "prepare", body, deadline_ts)
-            timings.update(out.timings)
-            failures = {k: failure(e) for k, e in out.errors.items()}
-            for key, reply in out.replies.items():
-                report = reply.get("report") or {}
-                if report.get("restarts"):
-                    restarts[key] = list(report["restarts"])
-                if reply.get("phase") != "prepared":
-                    err = DeadlineExceeded(
-                        f"{key} is not prepared at the deadline (phase {reply.get('phase')})"
-                    )
-                    failures[key] = failure(err, report)
-            if failures:
-                await self._abort(cid)
-                raise coordination_failed("prepare", cid, failures)
-        self._record(JournalEntry(checkpoint_id=cid, phase="prepared", op="checkpoint"))
+            body = {"checkpoint_id": cid, "deadline_ts": deadline_ts}
+            timings: dict[str, float] = {}
+            restarts: dict[str, list[str]] = {}
+            for group in prepare_groups(members):
+                out = await self._group(group, "prepare", body, deadline_ts)
+                timings.update(out.timings)
+                failures = {k: failure(e) for k, e in out.errors.items()}
+                for key, reply in out.replies.items():
+                    report = report_of(reply)
+                    if string_list(report.get("restarts")):
+                        restarts[key] = string_list(report.get("restarts"))
+                    if reply.get("phase") != "prepared":
+                        err = DeadlineExceeded(
+                            f"{key} is not prepared at the deadline (phase {reply.get('phase')})"
+                        )
+                        failures[key] = failure(err, report)
+                if failures:
+                    raise coordination_failed("prepare", cid, failures)
+            self._record(JournalEntry(checkpoint_id=cid, phase="prepared", op="checkpoint"))
         self._prepare_restarts = {k for keys in restarts.values() for k in keys}
         return PrepareResult(
             checkpoint_id=cid, seconds=time.monotonic() - start, timings=timings, restarts=restarts
@@ -240,68 +245,68 @@ class PhaseDriver:
         start = time.monotonic()
         deadline_s = self.timeouts.commit_s if deadline_s is None else deadline_s
         deadline_ts = self.clock.now() + deadline_s
-        self._record(
-            JournalEntry(
-                checkpoint_id=cid,
-                phase="committing",
-                op="checkpoint",
-                checkpoint_dir=checkpoint_dir,
+        async with self._aborting(cid):
+            self._record(
+                JournalEntry(
+                    checkpoint_id=cid,
+                    phase="committing",
+                    op="checkpoint",
+                    checkpoint_dir=checkpoint_dir,
+                )
             )
-        )
-        body: dict[str, Any] = {
-            "checkpoint_id": cid,
-            "deadline_ts": deadline_ts,
-            "checkpoint_dir": checkpoint_dir,
-            "episode_ids": None if scope is None else [episode_body(e) for e in scope],
-            "stop": stop,
-        }
-        barrier = self.pauses.commit_roles()
-        out = Outcome()
-        try:
-            await self.pauses.pause(cid, barrier, deadline_s)
-            for group in commit_groups(self._members()):
-                out.merge(await self._group(group, "commit", body, deadline_ts))
-        except CoordinationFailed as exc:
-            await self._abort(cid)
-            raise exc from None
-        finally:
-            await self.pauses.unpause(cid, barrier)
-        if out.errors:
-            await self._abort(cid)
-            raise coordination_failed("commit", cid, {k: failure(e) for k, e in out.errors.items()})
-        exported = {k: list(r.get("episode_ids", [])) for k, r in out.replies.items()}
-        continued, restart = self._continued(scope, exported)
-        if strict and restart:
-            # Before the Gym manifest: the records written stay unpublished.
-            await self._abort(cid)
-            raise RestartInScope(
-                f"commit of {cid} refused (strict): no participant holds state for "
-                f"{restart}; they would start over"
+            body: dict[str, Any] = {
+                "checkpoint_id": cid,
+                "deadline_ts": deadline_ts,
+                "checkpoint_dir": checkpoint_dir,
+                "episode_ids": None if scope is None else [episode_body(e) for e in scope],
+                "stop": stop,
+            }
+            barrier = self.pauses.commit_roles()
+            out = Outcome()
+            try:
+                await self.pauses.pause(cid, barrier, deadline_s)
+                for group in commit_groups(self._members()):
+                    out.merge(await self._group(group, "commit", body, deadline_ts))
+            finally:
+                await self.pauses.unpause(cid, barrier)
+            if out.errors:
+                raise coordination_failed(
+                    "commit", cid, {k: failure(e) for k, e in out.errors.items()}
+                )
+            exported = {k: string_list(r.get("episode_ids")) for k, r in out.replies.items()}
+            continued, restart = self._continued(scope, exported)
+            if strict and restart:
+                # Before the Gym manifest: the records written stay unpublished.
+                raise RestartInScope(
+                    f"commit of {cid} refused (strict): no participant holds state for "
+                    f"{restart}; they would start over"
+                )
+            manifests = [
+                dict(as_mapping(r.get("manifest"))) for _, r in sorted(out.replies.items())
+            ]
+            m_start = time.monotonic()
+            try:
+                # Last of all: the Gym manifest is the commit point of the whole checkpoint.
+                await asyncio.to_thread(self.manifest_writer, checkpoint_dir, cid, manifests)
+            except Exception as exc:
+                err = exc if isinstance(exc, CheckpointError) else CheckpointError(repr(exc))
+                raise coordination_failed("commit", cid, {"gym-manifest": failure(err)}) from None
+            manifest_s = time.monotonic() - m_start
+            self._record(
+                JournalEntry(
+                    checkpoint_id=cid,
+                    phase="committed",
+                    op="checkpoint",
+                    checkpoint_dir=checkpoint_dir,
+                )
             )
-        manifests = [r.get("manifest") or {} for _, r in sorted(out.replies.items())]
-        m_start = time.monotonic()
-        try:
-            # Last of all: the Gym manifest is the commit point of the whole checkpoint.
-            await asyncio.to_thread(self.manifest_writer, checkpoint_dir, cid, manifests)
-        except Exception as exc:
-            await self._abort(cid)
-            err = exc if isinstance(exc, CheckpointError) else CheckpointError(repr(exc))
-            raise coordination_failed("commit", cid, {"gym-manifest": failure(err)}) from None
-        manifest_s = time.monotonic() - m_start
-        self._record(
-            JournalEntry(
-                checkpoint_id=cid, phase="committed", op="checkpoint", checkpoint_dir=checkpoint_dir
-            )
-        )
         return CommitResult(
             checkpoint_id=cid,
             checkpoint_dir=checkpoint_dir,
             seconds=time.monotonic() - start,
             manifest_s=manifest_s,
             timings=out.timings,
-            bytes={
-                k: int((r.get("manifest") or {}).get("bytes", 0)) for k, r in out.replies.items()
-            },
+            bytes={k: manifest_bytes(r.get("manifest")) for k, r in out.replies.items()},
             episode_ids=exported,
             continued=continued,
             restart=restart,
@@ -331,23 +336,40 @@ class PhaseDriver:
         )
 
     async def resume_everyone(self, cid: str, deadline_s: float | None = None) -> dict[str, Any]:
-        """Participants in reverse order (past failures), then paused controllers."""
+        """Participants in reverse order (past failures), then paused controllers.
+
+        Nothing that raises here stops it: a group whose calls fail (or whose
+        fan-out itself raises), a controller that cannot be resumed, a journal
+        that cannot be written — each is logged and reported, and the next
+        group is still resumed and the checkpoint still closed."""
+        # Every member, not only those that prepared: a participant the prepare
+        # never reached still records the ID, so a delayed prepare is refused.
+        members = self._members()
         entry = self.open
         if entry is not None and entry.checkpoint_id == cid:
             entry.phase = "resuming"
-            self._record(entry)
+            try:
+                self._record(entry)
+            except Exception:
+                log.exception("could not journal the resume of %s; resuming anyway", cid)
         deadline_s = self.timeouts.resume_s if deadline_s is None else deadline_s
         deadline_ts = self.clock.now() + deadline_s
         body = {"checkpoint_id": cid, "deadline_ts": deadline_ts}
         failures: dict[str, Any] = {}
-        # Every member, not only those that prepared: a participant the prepare
-        # never reached still records the ID, so a delayed prepare is refused.
-        for group in resume_groups(self._members()):
-            out = await self._group(group, "resume", body, deadline_ts)
+        for group in resume_groups(members):
+            try:
+                out = await self._group(group, "resume", body, deadline_ts)
+            except Exception as exc:
+                log.exception("resume of %s at %s raised", cid, [m.key for m in group])
+                err = CheckpointError(f"resume of {cid} raised in the coordinator: {exc!r}"[:500])
+                out = Outcome(errors={m.key: err for m in group})
             failures.update({k: failure(e) for k, e in out.errors.items()})
-        failures.update(await self.pauses.unpause(cid))
-        self.renewer.stop()
-        self._record(None)
+        try:
+            failures.update(await self.pauses.unpause(cid))
+        except Exception as exc:
+            log.exception("unpausing the controllers after %s raised", cid)
+            failures["controllers"] = failure(CheckpointError(f"unpause raised: {exc!r}"[:500]))
+        self._close()
         closing, self._to_close = self._to_close, []
         for host in closing:
             with contextlib.suppress(Exception):
@@ -355,6 +377,29 @@ class PhaseDriver:
         for key, why in failures.items():
             log.warning("resume of %s at %s failed (its lease will lapse): %s", cid, key, why)
         return failures
+
+    def _close(self) -> None:
+        """No checkpoint open any more, in memory even if the journal fails."""
+        try:
+            self.renewer.stop()
+        except Exception:
+            log.exception("stopping the lease renewer raised")
+        try:
+            self._record(None)
+        except Exception:
+            log.exception("could not clear the journal; the checkpoint is closed regardless")
+            self.open = None
+            self.frozen = {}
+            self._prepare_restarts = set()
+
+    @contextlib.asynccontextmanager
+    async def _aborting(self, cid: str) -> AsyncIterator[None]:
+        """Abort `cid` (resume everyone) if the body raises anything, then re-raise."""
+        try:
+            yield
+        except BaseException:
+            await self._abort(cid)
+            raise
 
     async def _abort(self, cid: str) -> None:
         await self.resume_everyone(cid)

@@ -24,6 +24,7 @@ from coordination.journal import JournalEntry
 from coordination.manifests import ManifestReader
 from coordination.order import restore_groups, retire_groups
 from coordination.phase_driver import PhaseDriver
+from coordination.replies import string_list
 from coordination.results import RestoreResult
 from ray_ckpt.errors import (
     CheckpointConflict,
@@ -99,7 +100,7 @@ async def restore(
     entry.phase = "restored"
     driver._record(entry)
     resume_failures = await driver.resume_everyone(cid) if resume else {}
-    restored = {k: list(r.get("restored", [])) for k, r in out.replies.items()}
+    restored = {k: string_list(r.get("restored")) for k, r in out.replies.items()}
     installed = {k for keys in restored.values() for k in keys}
     return RestoreResult(
         checkpoint_id=cid,

@@ -113,6 +113,10 @@ class ParticipantStatus(msgspec.Struct, frozen=True, kw_only=True):
     retired_rollouts: int | None = None
     blockers: list[str] = msgspec.field(default_factory=list)
     blocker_count: int = 0
+    # Per blocker what the participant says beyond its key (state, step, ...):
+    # from `report.blocker_details`, or object-shaped `blockers` of older
+    # participants; just `{"key"}` for a participant that sends strings only.
+    blocker_details: list[dict[str, Any]] = msgspec.field(default_factory=list)
     error: str | None = None
 
 

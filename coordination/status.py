@@ -12,6 +12,16 @@ from collections.abc import Iterable
 from typing import Any
 
 from coordination.hosts import Host
+from coordination.replies import (
+    as_mapping,
+    blocker_count,
+    blocker_details,
+    blocker_keys,
+    float_or_none,
+    int_or_none,
+    report_of,
+    str_or_none,
+)
 from coordination.results import ParticipantStatus
 
 
@@ -40,17 +50,18 @@ def status_row(host: Host, task: asyncio.Future[dict[str, Any]]) -> ParticipantS
         return ParticipantStatus(
             participant=m.key, kind=m.kind, transport=transport, error=str(exc)[:200]
         )
-    s = task.result()
-    report = s.get("report") or {}
+    s = as_mapping(task.result())
+    report = report_of(s)
     return ParticipantStatus(
         participant=m.key,
         kind=m.kind,
         transport=transport,
-        phase=s.get("phase"),
-        checkpoint_id=s.get("checkpoint_id"),
-        lease_expires_at=s.get("lease_expires_at"),
-        live_executions=s.get("live_executions"),
-        retired_rollouts=s.get("retired_rollouts"),
-        blockers=[str(b.get("key")) for b in report.get("blockers", [])],
-        blocker_count=int(report.get("blocker_count", 0)),
+        phase=str_or_none(s.get("phase")),
+        checkpoint_id=str_or_none(s.get("checkpoint_id")),
+        lease_expires_at=float_or_none(s.get("lease_expires_at")),
+        live_executions=int_or_none(s.get("live_executions")),
+        retired_rollouts=int_or_none(s.get("retired_rollouts")),
+        blockers=blocker_keys(report),
+        blocker_count=blocker_count(report),
+        blocker_details=blocker_details(report),
     )

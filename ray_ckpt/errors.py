@@ -115,6 +115,9 @@ class Unauthorized(CheckpointError):
 class InvalidRequest(CheckpointError, ValueError):
     # Also a ValueError so msgspec turns it into a ValidationError on decode.
     reason = Reason.INVALID_REQUEST
+    # A FastAPI validation reply's `detail` (its list of errors), when that is
+    # what the participant answered; None for our own refusals.
+    validation: Any = None
 
 
 class StaleCheckpoint(CheckpointError):
@@ -229,9 +232,35 @@ def _coordination_failed(
     return CoordinationFailed(detail, operation=operation, failures=failures)
 
 
+def validation_error(status: int, body: Any) -> InvalidRequest | None:
+    """A FastAPI/pydantic validation reply (422 `{"detail": [...]}`, as NeMo
+    Gym's control plane answers a malformed body) as `InvalidRequest`, with
+    the participant's own detail kept on `.validation`; None for anything else."""
+    if status != 422 or not isinstance(body, dict) or "error" in body:
+        return None
+    detail = body.get("detail")
+    if not isinstance(detail, list | str):
+        return None
+    items = detail if isinstance(detail, list) else [detail]
+    parts = []
+    for item in items[:10]:
+        if isinstance(item, dict):
+            loc = ".".join(str(p) for p in item.get("loc") or [])
+            parts.append(f"{item.get('type', '?')} at {loc or '?'}: {item.get('msg', '')}")
+        else:
+            parts.append(str(item))
+    err = InvalidRequest(f"request refused by validation (HTTP 422): {'; '.join(parts)}"[:1000])
+    err.validation = detail
+    return err
+
+
 def error_from_body(status: int, body: Any) -> CheckpointError:
-    """The typed error for a `{"error": {"code", "detail"}}` reply."""
+    """The typed error for a `{"error": {"code", "detail"}}` reply (or a
+    FastAPI 422 `{"detail": [...]}`)."""
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
         err = body["error"]
         return error_from_code(str(err.get("code", "")), str(err.get("detail", "")))
+    validation = validation_error(status, body)
+    if validation is not None:
+        return validation
     return CheckpointError(f"HTTP {status}: {body!r}"[:500])

@@ -30,6 +30,7 @@ from ray_ckpt.errors import (
     Reason,
     Unauthorized,
     error_from_body,
+    validation_error,
 )
 from ray_ckpt.settings import CheckpointSettings
 
@@ -203,6 +204,9 @@ def _reply(op: str, where: str, status: int, raw: bytes) -> dict[str, Any]:
                 failures=error.get("failures") or {},
             )
         raise error_from_body(status, body)
+    validation = validation_error(status, body)
+    if validation is not None:
+        raise validation
     # No error we know: a plain server, a proxy, or a crash (`internal`) answered.
     detail = f"{op} to {where}: HTTP {status}: {body!r}"[:500]
     if status == 404:
