@@ -117,7 +117,7 @@ async def test_a_commit_of_nemo_shaped_participant_manifests(
     assert {s.participant.phase for s in nemo_fleet.values()} == {"idle"}
 
 
-@pytest.mark.xfail(strict=True, reason=BLOCKERS)
+@pytest.mark.xfail(strict=True, reason=f"{BLOCKERS}; then {MANIFEST}")
 async def test_a_full_cycle_straggler_restart_commit_restore_fresh_retire_forget(
     nemo_fleet: dict[str, Served], core: CoordinatorCore, serve_nemo: Serve, tmp_path: Path
 ) -> None:
