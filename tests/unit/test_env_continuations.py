@@ -122,3 +122,35 @@ async def test_a_restart_only_episode_is_not_charged_for_a_checkpoint_held_open(
     finally:
         await fleet.stop()
     assert "result" in reply, reply
+
+
+class SlowVerifyEnv(ScriptedEnv):
+    async def verify(self, episode: EpisodeId, body: dict[str, Any]) -> dict[str, Any]:
+        self.verifying.set()
+        await asyncio.sleep(30)  # slower than the episode's budget
+        return {"reward": 1.0}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.verifying = asyncio.Event()
+
+
+async def test_a_deadline_in_a_wait_verify_under_a_checkpoint_waits_for_resume(
+    serve: Serve, http: aiohttp.ClientSession
+) -> None:
+    env = SlowVerifyEnv()
+    url = await serve(env.app())
+    task = {**TASK, "deadline_s": 0.3}
+    pending = asyncio.create_task(post_run(http, url, EpisodeId("r"), task))
+    await env.verifying.wait()
+    env.participant.close_admission()  # prepare: the checkpoint waits for the verify
+    await until(env.participant.ready)  # the deadline ran out inside it
+    await asyncio.sleep(0.05)
+    assert not pending.done()  # the failure does not leave while prepared
+    (record,) = await env.participant.export([EpisodeId("r")])
+    assert record.state["boundary"]["next"] == "verify"  # nothing silently dropped
+    assert record.state["spent_s"] == pytest.approx(0.3)  # no budget left to stretch
+    env.participant.open_admission()
+    status, reply = await pending
+    assert status == 200
+    assert reply["failure"]["code"] == "deadline_exceeded"
