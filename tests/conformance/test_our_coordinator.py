@@ -91,7 +91,6 @@ async def straggler_prepare(core: CoordinatorCore, fleet: dict[str, Served]) -> 
     assert ops[-1] == "resume"
 
 
-@pytest.mark.xfail(strict=True, reason=BLOCKERS)
 async def test_a_straggler_reported_as_string_blockers_fails_typed_and_resumes_everyone(
     nemo_fleet: dict[str, Served], core: CoordinatorCore
 ) -> None:
@@ -117,7 +116,7 @@ async def test_a_commit_of_nemo_shaped_participant_manifests(
     assert {s.participant.phase for s in nemo_fleet.values()} == {"idle"}
 
 
-@pytest.mark.xfail(strict=True, reason=f"{BLOCKERS}; then {MANIFEST}")
+@pytest.mark.xfail(strict=True, reason=MANIFEST)  # string blockers: fixed in 024b3c5
 async def test_a_full_cycle_straggler_restart_commit_restore_fresh_retire_forget(
     nemo_fleet: dict[str, Served], core: CoordinatorCore, serve_nemo: Serve, tmp_path: Path
 ) -> None:
@@ -162,7 +161,6 @@ async def test_a_full_cycle_straggler_restart_commit_restore_fresh_retire_forget
     assert all(s.participant.status()["retired_rollouts"] == 0 for s in fresh.values())
 
 
-@pytest.mark.xfail(strict=True, reason=VALIDATION)
 async def test_a_fastapi_validation_reply_is_a_typed_invalid_request(
     nemo_fleet: dict[str, Served],
 ) -> None:
