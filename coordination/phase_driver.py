@@ -359,10 +359,11 @@ class PhaseDriver:
         for group in resume_groups(members):
             try:
                 out = await self._group(group, "resume", body, deadline_ts)
-            except Exception as exc:
+            except Exception:
+                # A bug of ours in the group call must not leave them open:
+                # resume each one directly instead.
                 log.exception("resume of %s at %s raised", cid, [m.key for m in group])
-                err = CheckpointError(f"resume of {cid} raised in the coordinator: {exc!r}"[:500])
-                out = Outcome(errors={m.key: err for m in group})
+                out = await self._resume_directly(group, body, deadline_ts)
             failures.update({k: failure(e) for k, e in out.errors.items()})
         try:
             failures.update(await self.pauses.unpause(cid))
@@ -377,6 +378,24 @@ class PhaseDriver:
         for key, why in failures.items():
             log.warning("resume of %s at %s failed (its lease will lapse): %s", cid, key, why)
         return failures
+
+    async def _resume_directly(
+        self, group: Sequence[Member], body: Mapping[str, Any], deadline_ts: float
+    ) -> Outcome:
+        """One resume call per member, one at a time, without the fan-out."""
+        out = Outcome()
+        roster = self._roster()
+        for m in group:
+            host = roster.get(m.key)
+            if host is None:
+                continue
+            timeout = max(deadline_ts - self.clock.now(), 0.0) + self.timeouts.reply_grace_s
+            try:
+                await asyncio.wait_for(host.call("resume", body), timeout)
+            except Exception as exc:
+                err = exc if isinstance(exc, CheckpointError) else CheckpointError(repr(exc))
+                out.errors[m.key] = err
+        return out
 
     def _close(self) -> None:
         """No checkpoint open any more, in memory even if the journal fails."""
