@@ -76,29 +76,36 @@ async def restore(
     deadline_s = driver.timeouts.restore_s if deadline_s is None else deadline_s
     deadline_ts = driver.clock.now() + deadline_s
     keys = [e.capture_key for e in episodes]
-    driver._record(
-        JournalEntry(
-            checkpoint_id=cid,
-            phase="restoring",
-            op="restore",
-            checkpoint_dir=checkpoint_dir,
-            episode_ids=keys,
-        )
-    )
     body = {
         "checkpoint_id": cid,
         "deadline_ts": deadline_ts,
         "checkpoint_dir": checkpoint_dir,
         "episode_ids": [episode_body(e) for e in episodes],
     }
-    out = await driver._group(restore_groups(members)[0], "restore", body, deadline_ts)
-    if out.errors:
+    try:
+        driver._record(
+            JournalEntry(
+                checkpoint_id=cid,
+                phase="restoring",
+                op="restore",
+                checkpoint_dir=checkpoint_dir,
+                episode_ids=keys,
+            )
+        )
+        out = await driver._group(restore_groups(members)[0], "restore", body, deadline_ts)
+        if out.errors:
+            raise coordination_failed(
+                "restore", cid, {k: failure(e) for k, e in out.errors.items()}
+            )
+        entry = driver.open
+        assert entry is not None
+        entry.phase = "restored"
+        driver._record(entry)
+    except BaseException:
+        # Whatever raised (a participant, or a bug of ours): nobody keeps what
+        # it installed, everyone is resumed.
         await undo_restore(driver, cid, episodes, deadline_ts)
-        raise coordination_failed("restore", cid, {k: failure(e) for k, e in out.errors.items()})
-    entry = driver.open
-    assert entry is not None
-    entry.phase = "restored"
-    driver._record(entry)
+        raise
     resume_failures = await driver.resume_everyone(cid) if resume else {}
     restored = {k: string_list(r.get("restored")) for k, r in out.replies.items()}
     installed = {k for keys in restored.values() for k in keys}
@@ -149,7 +156,12 @@ async def undo_restore(
             "episode_ids": [episode_body(e.next()) for e in episodes],
         }
         for group in retire_groups(driver._members()):
-            out = await driver._group(group, "retire", body, cleanup_ts)
+            try:
+                out = await driver._group(group, "retire", body, cleanup_ts)
+            except Exception:
+                # Retired or not, everyone must still be resumed below.
+                log.exception("cleanup retire of %s at %s raised", cid, group)
+                continue
             for key, err in out.errors.items():
                 log.warning("cleanup retire of %s at %s failed: %s", cid, key, err)
     await driver.resume_everyone(cid)

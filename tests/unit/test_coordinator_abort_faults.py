@@ -201,3 +201,44 @@ async def test_a_non_checkpoint_error_from_one_controller_still_resumes_the_othe
     assert assembler.paused is None
     assert fleet.core.open is None
     assert set(fleet.phases().values()) == {"idle"}
+
+
+RESTORE_FAULTS: dict[str, Fault] = {
+    "journal-restoring": journal_raises("restoring"),
+    "restore-fan-out": fan_out_raises("restore"),
+    "journal-restored": journal_raises("restored"),
+}
+UNDO_FAULTS: dict[str, Fault] = {
+    "none": no_fault,
+    "cleanup-retire-fan-out": fan_out_raises("retire"),
+    "resume-fan-out": fan_out_raises("resume"),
+    "journal-clear": journal_raises(None),
+}
+
+
+@pytest.mark.parametrize("undo_fault", UNDO_FAULTS, ids=str)
+@pytest.mark.parametrize("restore_fault", RESTORE_FAULTS, ids=str)
+async def test_a_bug_in_restore_or_its_undo_never_leaves_a_participant_restored(
+    monkeypatch: pytest.MonkeyPatch, restore_fault: str, undo_fault: str
+) -> None:
+    source = make_fleet()
+    for key in source.parts:
+        source.parts[key].start("r1", at_boundary=True, state={"at": key})
+    await source.core.checkpoint("/ck", [EpisodeId("r1")])
+    await source.aclose()
+    fleet = make_fleet(store=source.store)
+    try:
+        RESTORE_FAULTS[restore_fault](fleet, monkeypatch)
+        UNDO_FAULTS[undo_fault](fleet, monkeypatch)
+        with pytest.raises(Bug):
+            await fleet.core.restore("/ck", [EpisodeId("r1")])
+        assert fleet.core.open is None
+        assert set(fleet.phases().values()) == {"idle"}
+        if undo_fault != "cleanup-retire-fan-out":
+            # The next attempts were retired everywhere: nothing kept.
+            assert all(p.restored == {} for p in fleet.parts.values())
+        touched = {who for _, ev, who, op in fleet.log if op == "restore" and ev == "call"}
+        resumed = {who for _, ev, who, op in fleet.log if op == "resume" and ev == "reply"}
+        assert touched <= resumed
+    finally:
+        await fleet.aclose()
