@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 import coordination.phase_driver as phase_driver
+from coordination.fanout import fan_out as real_fan_out
 from coordination.hosts import FakePauseTarget
 from coordination.journal import JournalEntry
 from coordination.pause import ControllerPauses
@@ -45,7 +46,7 @@ def fan_out_raises(op: str, *, after: int = 0) -> Fault:
     """The fan-out itself raises for `op` (after `after` successful groups)."""
 
     def install(fleet: Fleet, mp: pytest.MonkeyPatch) -> None:
-        real = phase_driver.fan_out
+        real = real_fan_out
         seen = {"n": 0}
 
         async def fan_out(group: Any, o: str, body: Any, timeout_s: float) -> Any:
@@ -196,7 +197,7 @@ async def test_a_non_checkpoint_error_from_one_controller_still_resumes_the_othe
 
     trainer.resume = resume  # type: ignore[method-assign]
     fleet.parts["environment/env"].start("r9")  # never reaches a boundary
-    with pytest.raises(Exception):  # noqa: B017 - whatever the prepare raises
+    with pytest.raises(CoordinationFailed):
         await fleet.core.prepare(0.3)
     assert assembler.paused is None
     assert fleet.core.open is None

@@ -173,7 +173,6 @@ async def test_status_rows_and_the_cli_table_read_every_blocker_shape(
     assert row.blocker_count == count
     assert _blocker_cell(row) == cell
     if not isinstance(status, dict) or status.get("report") is None:
-        assert row.lease_expires_at is None and row.live_executions is None
+        assert row.lease_expires_at is None
+        assert row.live_executions is None
         assert row.checkpoint_id is None
-
-
