@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 
 import coordination.phase_driver as phase_driver
-from coordination.fanout import fan_out as real_fan_out
 from coordination.hosts import FakePauseTarget
 from coordination.journal import JournalEntry
 from coordination.pause import ControllerPauses
@@ -46,7 +45,8 @@ def fan_out_raises(op: str, *, after: int = 0) -> Fault:
     """The fan-out itself raises for `op` (after `after` successful groups)."""
 
     def install(fleet: Fleet, mp: pytest.MonkeyPatch) -> None:
-        real = real_fan_out
+        # Chained: a second fault on another op wraps the first.
+        real = getattr(phase_driver, "fan_out")  # noqa: B009 - not re-exported
         seen = {"n": 0}
 
         async def fan_out(group: Any, o: str, body: Any, timeout_s: float) -> Any:
