@@ -38,6 +38,7 @@ from ray_ckpt.errors import (
     CheckpointError,
     InvalidCheckpointState,
     InvalidPhase,
+    InvalidRequest,
 )
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage.record import Record
@@ -120,6 +121,9 @@ class Restores:
         """Start installing `records` as a task of its own: a missed deadline
         or a cancelled call fails the call, never the install."""
         task = asyncio.ensure_future(self._install_and_mark(records))
+        # Its outcome is read by whoever settles it, maybe no one (the host
+        # stops first): never let asyncio log it as an unretrieved error.
+        task.add_done_callback(_retrieve)
         self.current = Install(
             req.checkpoint_id, req.checkpoint_dir, tuple(req.episode_ids), manifest, task
         )
@@ -128,12 +132,16 @@ class Restores:
 
     async def _install_and_mark(self, records: Sequence[Record]) -> list[EpisodeId]:
         c = self._controller
+        try:
+            replaced = [record.episode_id for record in records]
+        except InvalidRequest as exc:
+            raise InvalidCheckpointState(f"record key: {exc.detail}") from None
         installed = await c.participant.install(records)
         # Attempt N + 1 is installed: attempts <= N of those rollouts are over
         # here, as if retired (a late step of attempt N must not be served
         # from the fresh, empty state of this process).
-        for record in records:
-            c.retired.mark(record.episode_id)
+        for episode in replaced:
+            c.retired.mark(episode)
         return installed
 
     def failure(self, install: Install) -> CheckpointError:
@@ -218,6 +226,11 @@ class Restores:
             install.task.cancel()
             with contextlib.suppress(BaseException):
                 await install.task
+
+
+def _retrieve(task: asyncio.Task[list[EpisodeId]]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def restore_reply(manifest: Any, installed: list[EpisodeId]) -> dict[str, Any]:

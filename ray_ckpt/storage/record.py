@@ -13,15 +13,16 @@ value, a set not at all, so each is refused with the path of the first one.
 orjson cannot be the check: it serialises tuples, UUIDs and Enum members
 (IntEnum and StrEnum members even compare equal to what comes back).
 
-Cost, by measurement (this machine, CPython 3.11, 2 shared cores; per state,
-`tests/unit/test_ctl_check_json.py` repeats the first two):
+Cost, by measurement (this machine, CPython 3.11, 2 shared cores, idle and
+under other jobs' load; per state; `tests/unit/test_ctl_check_json.py`
+bounds the first two):
 
     state (JSON size)                       check_json   orjson.dumps alone
-    text: 150 messages, 341 KB                 0.4-0.6 ms        0.1 ms
-    numbers: 900x20 floats + 624 ints, 347 KB  0.8-1.2 ms        0.6-0.9 ms
-    12,000 small dicts, 471 KB                 8-13 ms           1.7 ms
+    text: 150 messages, 341 KB                 0.4-0.7 ms        0.1-0.2 ms
+    numbers: 900x20 floats + 624 ints, 347 KB  0.8-3.5 ms        0.6-1.0 ms
+    12,000 small dicts, 471 KB                 8-22 ms           1.7-2.1 ms
 
-i.e. 0.01-0.3 ms per 10 KB: the walk goes one nesting level at a time and
+i.e. 0.01-0.5 ms per 10 KB: the walk goes one nesting level at a time and
 checks a level's element types in C (`map(type, ...)` into a set), so its
 cost grows with the number of containers, not with the bytes of their leaves.
 """
