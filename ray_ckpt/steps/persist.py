@@ -63,7 +63,11 @@ def _blocker(ep: Episode, now: float) -> Blocker:
         step=step.index if step is not None else ep.step_index,
         mode=step.mode.value if step is not None else None,
         running_s=now - started,
-        detail=step.name if step is not None else "",
+        # Between steps after a wait step that recorded no boundary: the
+        # checkpoint waits for the handler's next park point.
+        detail=step.name
+        if step is not None
+        else (f"after {ep.unrecorded_wait}" if ep.unrecorded_wait else ""),
     )
 
 

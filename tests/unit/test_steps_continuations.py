@@ -306,12 +306,13 @@ async def test_the_restored_twice_check_is_linear() -> None:
 
 async def test_a_boundary_recorded_after_a_wait_step_is_what_the_checkpoint_exports() -> None:
     steps = EpisodeSteps(clock=ManualClock())
-    step_done, went_on = asyncio.Event(), asyncio.Event()
+    step_done, between, went_on = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
     async def handler() -> None:
         async with steps.begin(R, boundary={"next": "tool"}) as ep:
             async with ep.step("wait", name="tool"):
                 await step_done.wait()
+            await between.wait()
             ep.boundary({"next": "verify"})  # misuse: outside the step
             await went_on.wait()
 
@@ -322,8 +323,12 @@ async def test_a_boundary_recorded_after_a_wait_step_is_what_the_checkpoint_expo
     await asyncio.sleep(0.02)
     # Never exported at the boundary before the step (it would run twice).
     assert not steps.ready()
+    assert steps.report(5).blockers[0].detail == "after tool"
     with pytest.raises(InvalidPhase):
         steps.export(None)
+    between.set()
+    await asyncio.sleep(0.02)
+    assert not steps.ready()  # boundary recorded, not yet at a park point
     went_on.set()
     await until(steps.ready)  # parked at its end, at the boundary it recorded
     assert steps.export(None) == [Record("r", {"boundary": {"next": "verify"}, "step": 0})]
