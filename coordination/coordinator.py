@@ -19,7 +19,7 @@ import tempfile
 from typing import Any
 
 from coordination.core import CoordinatorCore
-from coordination.hosts import HttpHost, RayHost, RayPauseTarget
+from coordination.hosts import Host, HttpHost, RayHost, RayPauseTarget
 from coordination.journal import Journal
 from coordination.order import Member
 from coordination.results import (
@@ -96,8 +96,8 @@ class Coordinator:
             handle = await asyncio.to_thread(ray.get_actor, actor_name, namespace=self.namespace)
         except ValueError:
             return False  # gone; its lease covers it
-        old = self.core.register(RayHost(member, handle, actor_name=actor_name, named=True))
-        await self.core.drop_host(old)
+        host = RayHost(member, handle, actor_name=actor_name, named=True)
+        await self.core.drop_host(await self.core.register_checked(host))
         return True
 
     async def discover(self, *, refresh: bool = False) -> list[str]:
@@ -135,7 +135,7 @@ class Coordinator:
             if not await self._register_named(member, member.key):
                 raise InvalidRequest(f"no actor named {member.key} in namespace {self.namespace}")
         else:
-            await self.core.drop_host(self.core.register(RayHost(member, handle)))
+            await self.core.drop_host(await self.core.register_checked(RayHost(member, handle)))
         return member.key
 
     async def register_http(
@@ -149,13 +149,39 @@ class Coordinator:
         limit_per_host: int = 8,
     ) -> str:
         member = Member(kind, name)
-        old = self.core.register(
-            HttpHost(
-                member, ControlClient(url, token=token, limit=limit, limit_per_host=limit_per_host)
-            )
+        host = HttpHost(
+            member, ControlClient(url, token=token, limit=limit, limit_per_host=limit_per_host)
         )
+        try:
+            old = await self.core.register_checked(host)
+        except BaseException:
+            await host.aclose()
+            raise
         await self.core.drop_host(old)
         return member.key
+
+    async def discover_http(
+        self,
+        servers: list[tuple[str, str, str]],
+        token: str,
+        *,
+        limit: int = 64,
+        limit_per_host: int = 8,
+    ) -> dict[str, list[str]]:
+        """Register the HTTP servers `(kind, name, url)` that are participants.
+
+        A server answering 404 on status is not one (skipped, as NeMo Gym's
+        discovery does); any other failure or a kind mismatch fails the whole
+        discovery (`CoordinationFailed`) and registers none."""
+        hosts: list[Host] = [
+            HttpHost(
+                Member(kind, name),
+                ControlClient(url, token=token, limit=limit, limit_per_host=limit_per_host),
+            )
+            for kind, name, url in servers
+        ]
+        registered, skipped = await self.core.discover_http(hosts)
+        return {"registered": registered, "skipped": skipped}
 
     async def unregister(self, key: str) -> None:
         await self.core.drop_host(self.core.unregister(key))

@@ -20,7 +20,9 @@ from typing import Any
 
 from coordination.calls import coordination_failed, episode_body, new_id
 from coordination.fanout import failure
+from coordination.hosts import Host
 from coordination.manifests import ManifestReader, read_listed
+from coordination.membership import checked, discover_candidates
 from coordination.order import Member, forget_groups, retire_groups
 from coordination.phase_driver import PhaseDriver
 from coordination.replies import string_list
@@ -232,6 +234,31 @@ class CoordinatorCore(PhaseDriver):
             else:
                 await self.resume_everyone(entry.checkpoint_id)
             return entry.checkpoint_id
+
+    # --- checked membership ------------------------------------------------------
+    async def register_checked(self, host: Host) -> Host | None:
+        """Register `host` once its status confirms its kind (`KindMismatch`
+        otherwise, nothing registered); returns the host it replaced."""
+        await checked(host, self.timeouts.status_s)
+        return self.register(host)
+
+    async def discover_http(self, candidates: Sequence[Host]) -> tuple[list[str], list[str]]:
+        """Register the candidates that are participants; (registered, skipped).
+
+        A 404 on status is "not a participant" (skipped, closed); any other
+        failure or a kind mismatch raises `CoordinationFailed` naming each,
+        and none is registered."""
+        try:
+            found, skipped = await discover_candidates(candidates, self.timeouts.status_s)
+        except BaseException:
+            for h in candidates:
+                await self.drop_host(h)
+            raise
+        for h in skipped:
+            await self.drop_host(h)
+        for h in found:
+            await self.drop_host(self.register(h))
+        return sorted(h.member.key for h in found), sorted(h.member.key for h in skipped)
 
     def members(self) -> list[Member]:
         """Everyone registered now (an open checkpoint keeps its own, frozen)."""

@@ -235,6 +235,14 @@ class CoordinatorHandle:
         key: str = self._sync("register_http", kind, name, url, token, **pool)
         return key
 
+    def discover_http(
+        self, servers: list[tuple[str, str, str]], token: str, **pool: int
+    ) -> dict[str, list[str]]:
+        """Register the `(kind, name, url)` servers that are participants; a 404
+        on status means "not a participant" (listed under "skipped")."""
+        found: dict[str, list[str]] = self._sync("discover_http", servers, token, **pool)
+        return found
+
     def register_trainer(self, handle: Any, **options: Any) -> None:
         """`options`: pause_method, resume_method, pass_args, mode ("full"|"barrier")."""
         self._sync("register_pause", "trainer", handle, **options)
