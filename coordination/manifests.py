@@ -18,13 +18,13 @@ ManifestReader = Callable[[str], tuple[str | None, set[tuple[str, str]]]]
 def write_gym_manifest_from_replies(
     checkpoint_dir: str, checkpoint_id: str, manifests: list[dict[str, Any]]
 ) -> Any:
-    """The real writer: participant manifests from commit replies → Gym manifest."""
-    import msgspec
+    """The real writer: participant manifests from commit replies → Gym manifest.
 
-    from ray_ckpt.storage import ParticipantManifest, write_gym_manifest
+    Passed on as the participants sent them: ours or NeMo Gym's shape, each is
+    checked against its bytes on disk there (`write_gym_manifest`)."""
+    from ray_ckpt.storage import write_gym_manifest
 
-    parsed = [msgspec.convert(m, ParticipantManifest) for m in manifests]
-    return write_gym_manifest(checkpoint_dir, checkpoint_id=checkpoint_id, manifests=parsed)
+    return write_gym_manifest(checkpoint_dir, checkpoint_id=checkpoint_id, manifests=manifests)
 
 
 def read_listed(checkpoint_dir: str) -> tuple[str | None, set[tuple[str, str]]]:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import msgspec
 
@@ -22,7 +24,6 @@ from ray_ckpt.storage.participant_store import (
     SCHEMA_VERSION,
     ParticipantManifest,
     check_name,
-    decode_manifest,
     encode_manifest,
     load_manifest,
     manifest_bytes,
@@ -83,28 +84,44 @@ def write_gym_manifest(
     checkpoint_dir: str | os.PathLike[str],
     *,
     checkpoint_id: str,
-    manifests: Sequence[ParticipantManifest],
+    manifests: Sequence[ParticipantManifest | Mapping[str, Any]],
 ) -> GymManifest:
-    """Create the Gym manifest over committed participant manifests (never replaced)."""
+    """Create the Gym manifest over committed participant manifests (never replaced).
+
+    Each manifest is ours (`ParticipantManifest`, or its JSON as a commit reply
+    carries it) or NeMo Gym's (`records_sha256`, `record_count`,
+    `records-<sha>.jsonl`, no `bytes`): it is listed by the digest of its bytes
+    on disk, which must be the manifest the participant committed."""
     entries: dict[tuple[str, str], GymEntry] = {}
     for m in manifests:
-        if m.checkpoint_id != checkpoint_id:
+        reply = msgspec.to_builtins(m) if isinstance(m, ParticipantManifest) else m
+        if not isinstance(reply, Mapping):
+            raise InvalidCheckpointState(f"a participant manifest is not an object: {m!r}"[:300])
+        kind, instance = reply.get("kind"), reply.get("instance")
+        if not isinstance(kind, str) or not isinstance(instance, str):
             raise InvalidCheckpointState(
-                f"participant {m.kind}/{m.instance} committed checkpoint {m.checkpoint_id!r}, "
-                f"not {checkpoint_id!r}"
+                f"a participant manifest names no kind/instance: {dict(reply)!r}"[:300]
             )
-        if (m.kind, m.instance) in entries:
-            raise InvalidCheckpointState(f"participant {m.kind}/{m.instance} is listed twice")
-        path, data = manifest_bytes(checkpoint_dir, m.kind, m.instance)
-        if decode_manifest(data, str(path)) != m:
+        check_name("kind", kind)
+        check_name("instance", instance)
+        if reply.get("checkpoint_id") != checkpoint_id:
+            raise InvalidCheckpointState(
+                f"participant {kind}/{instance} committed checkpoint "
+                f"{reply.get('checkpoint_id')!r}, not {checkpoint_id!r}"
+            )
+        if (kind, instance) in entries:
+            raise InvalidCheckpointState(f"participant {kind}/{instance} is listed twice")
+        path, data = manifest_bytes(checkpoint_dir, kind, instance)
+        if _json_object(data, path) != dict(reply):
             raise InvalidCheckpointState(f"manifest {path} differs from the committed one")
-        entries[(m.kind, m.instance)] = GymEntry(
-            kind=m.kind,
-            instance=m.instance,
+        summary = summarize_manifest(checkpoint_dir, kind, instance, data, path)
+        entries[(kind, instance)] = GymEntry(
+            kind=kind,
+            instance=instance,
             manifest_digest=hashlib.sha256(data).hexdigest(),
-            records_digest=m.digest,
-            record_count=m.record_count,
-            bytes=m.bytes,
+            records_digest=summary.records_digest,
+            record_count=summary.record_count,
+            bytes=summary.bytes,
         )
     gym = GymManifest(
         schema_version=SCHEMA_VERSION,
@@ -119,6 +136,149 @@ def write_gym_manifest(
             f"{final} already holds a different checkpoint; a manifest is never replaced"
         )
     return gym
+
+
+# --- participant manifests of either shape -----------------------------------
+
+# NeMo Gym names its records `records-<sha256>.jsonl` (legacy `records.jsonl`);
+# ours are `records-<sha256>.msgpack`.  Either way a plain name in the
+# participant's own directory.
+_RECORDS_NAME = re.compile(r"records-[0-9a-f]{64}\.(jsonl|msgpack)|records\.jsonl")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+class ManifestSummary(msgspec.Struct, frozen=True):
+    """What the Gym manifest needs from a participant manifest of either shape."""
+
+    kind: str
+    instance: str
+    checkpoint_id: str
+    records_file: str
+    records_digest: str
+    record_count: int
+    bytes: int
+    ours: bool  # our own shape (its records can be verified record by record)
+
+
+def _json_object(data: bytes, path: pathlib.Path) -> dict[str, Any]:
+    try:
+        obj = msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        raise InvalidCheckpointState(f"corrupt manifest {path}: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise InvalidCheckpointState(f"corrupt manifest {path}: not a JSON object")
+    return obj
+
+
+def summarize_manifest(
+    checkpoint_dir: str | os.PathLike[str],
+    kind: str,
+    instance: str,
+    data: bytes,
+    path: pathlib.Path,
+) -> ManifestSummary:
+    """Validate the fields every participant manifest has (ours or NeMo Gym's).
+
+    Bytes come from the manifest when it says (ours), else from the records
+    file's size on disk (NeMo Gym's); a records file that is missing is
+    refused either way."""
+    m = _json_object(data, path)
+    if m.get("schema_version") != SCHEMA_VERSION:
+        raise InvalidCheckpointState(
+            f"unknown manifest schema version {m.get('schema_version')!r} in {path}"
+        )
+    if m.get("kind") != kind or m.get("instance") != instance:
+        raise InvalidCheckpointState(f"manifest {path} is not {kind}/{instance}'s")
+    cid, records_file, count = m.get("checkpoint_id"), m.get("records_file"), m.get("record_count")
+    if not isinstance(cid, str) or not cid:
+        raise InvalidCheckpointState(f"manifest {path} names no checkpoint ID")
+    if not isinstance(records_file, str) or not _RECORDS_NAME.fullmatch(records_file):
+        raise InvalidCheckpointState(f"bad records file name {records_file!r} in {path}")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise InvalidCheckpointState(f"bad record_count {count!r} in {path}")
+    ours = "digest_algo" in m
+    digest = m.get("digest") if ours else m.get("records_sha256")
+    if ours and m.get("digest_algo") != "sha256":
+        raise InvalidCheckpointState(f"unknown digest {m.get('digest_algo')!r} in {path}")
+    if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+        raise InvalidCheckpointState(f"bad records digest {digest!r} in {path}")
+    records = path.parent / records_file
+    try:
+        size = records.stat().st_size
+    except FileNotFoundError:
+        raise InvalidCheckpointState(f"records file {records} is missing") from None
+    said = m.get("bytes")
+    if isinstance(said, int) and not isinstance(said, bool):
+        if said != size:
+            raise InvalidCheckpointState(
+                f"truncated or extended records {records}: {size} bytes, manifest says {said}"
+            )
+    elif said is not None:
+        raise InvalidCheckpointState(f"bad bytes {said!r} in {path}")
+    return ManifestSummary(
+        kind=kind,
+        instance=instance,
+        checkpoint_id=cid,
+        records_file=records_file,
+        records_digest=digest,
+        record_count=count,
+        bytes=size,
+        ours=ours,
+    )
+
+
+def _verify_foreign_records(pdir: pathlib.Path, summary: ManifestSummary) -> None:
+    """NeMo Gym's JSON-lines records: digest, size and line count over the whole file."""
+    path = pdir / summary.records_file
+    h = hashlib.sha256()
+    size = lines = 0
+    try:
+        with path.open("rb") as f:
+            for line in f:
+                h.update(line)
+                size += len(line)
+                lines += bool(line.strip())
+    except FileNotFoundError:
+        raise InvalidCheckpointState(f"records file {path} is missing") from None
+    if h.hexdigest() != summary.records_digest:
+        raise InvalidCheckpointState(f"digest mismatch in {path}: records are corrupt")
+    if size != summary.bytes:
+        raise InvalidCheckpointState(f"records {path} changed size while read")
+    if lines != summary.record_count:
+        raise InvalidCheckpointState(
+            f"records {path} hold {lines} records, manifest lists {summary.record_count}"
+        )
+
+
+def verify_participant(
+    checkpoint_dir: str | os.PathLike[str],
+    kind: str,
+    instance: str,
+    *,
+    checkpoint_id: str | None,
+    read: tuple[pathlib.Path, bytes] | None = None,
+) -> ManifestSummary:
+    """A participant manifest of either shape and its whole records file,
+    verified (and, if given, that it belongs to `checkpoint_id`)."""
+    path, data = read or manifest_bytes(checkpoint_dir, kind, instance)
+    summary = summarize_manifest(checkpoint_dir, kind, instance, data, path)
+    if checkpoint_id is not None and summary.checkpoint_id != checkpoint_id:
+        raise InvalidCheckpointState(
+            f"manifest {path} is for checkpoint {summary.checkpoint_id!r}, not {checkpoint_id!r}"
+        )
+    if summary.ours:
+        manifest = load_manifest(
+            checkpoint_dir,
+            kind=kind,
+            instance=instance,
+            checkpoint_id=checkpoint_id,
+            read=(path, data),
+        )
+        # Digest and count are verified over every byte; states need not be decoded.
+        read_records(checkpoint_dir, manifest, select=lambda _key: False)
+    else:
+        _verify_foreign_records(path.parent, summary)
+    return summary
 
 
 def _decode_gym(data: bytes, path: pathlib.Path) -> GymManifest:
@@ -167,9 +327,12 @@ def listed_manifest(
 
 
 def _check_listed(checkpoint_dir: str | os.PathLike[str], gym: GymManifest, e: GymEntry) -> None:
-    manifest = listed_manifest(checkpoint_dir, gym, e)
-    # Digest and count are verified over every byte; states need not be decoded.
-    read_records(checkpoint_dir, manifest, select=lambda _key: False)
+    path, data = manifest_bytes(checkpoint_dir, e.kind, e.instance)
+    if hashlib.sha256(data).hexdigest() != e.manifest_digest:
+        raise InvalidCheckpointState(f"manifest {path} does not match the Gym manifest's digest")
+    verify_participant(
+        checkpoint_dir, e.kind, e.instance, checkpoint_id=gym.checkpoint_id, read=(path, data)
+    )
 
 
 def _present(checkpoint_dir: str | os.PathLike[str]) -> set[tuple[str, str]]:
@@ -210,7 +373,8 @@ def _check_entry(
 def _unlisted(checkpoint_dir: str | os.PathLike[str], kind: str, instance: str) -> ParticipantCheck:
     error = "participant directory is not listed in the Gym manifest"
     try:
-        m = load_manifest(checkpoint_dir, kind=kind, instance=instance, checkpoint_id=None)
+        path, data = manifest_bytes(checkpoint_dir, kind, instance)
+        m = summarize_manifest(checkpoint_dir, kind, instance, data, path)
     except InvalidCheckpointState as exc:
         return ParticipantCheck(
             kind, instance, listed=False, ok=False, error=f"{error}; {exc.detail}"
@@ -222,7 +386,7 @@ def _unlisted(checkpoint_dir: str | os.PathLike[str], kind: str, instance: str) 
         ok=False,
         episodes=m.record_count,
         bytes=m.bytes,
-        digest=m.digest,
+        digest=m.records_digest,
         error=f"{error} (its manifest is for checkpoint {m.checkpoint_id!r})",
     )
 
