@@ -99,7 +99,6 @@ async def test_a_straggler_reported_as_string_blockers_fails_typed_and_resumes_e
     await straggler_prepare(core, nemo_fleet)
 
 
-@pytest.mark.xfail(strict=True, reason=MANIFEST)
 async def test_a_commit_of_nemo_shaped_participant_manifests(
     nemo_fleet: dict[str, Served], core: CoordinatorCore, tmp_path: Path
 ) -> None:
@@ -116,7 +115,6 @@ async def test_a_commit_of_nemo_shaped_participant_manifests(
     assert {s.participant.phase for s in nemo_fleet.values()} == {"idle"}
 
 
-@pytest.mark.xfail(strict=True, reason=MANIFEST)  # string blockers: fixed in 024b3c5
 async def test_a_full_cycle_straggler_restart_commit_restore_fresh_retire_forget(
     nemo_fleet: dict[str, Served], core: CoordinatorCore, serve_nemo: Serve, tmp_path: Path
 ) -> None:
