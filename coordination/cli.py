@@ -16,7 +16,7 @@ import click
 import msgspec
 
 from coordination.results import ParticipantStatus
-from ray_ckpt.errors import CheckpointError, CoordinationFailed
+from ray_ckpt.errors import CheckpointError, CoordinationFailed, InvalidRequest
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -151,16 +151,30 @@ def checkpoint(
 @main.command()
 @click.argument("directory")
 @click.option("--episode", "episodes", multiple=True, help="Capture key to restore (repeatable).")
+@click.option(
+    "--without-gym-manifest",
+    "without_gym_manifest",
+    is_flag=True,
+    help="Accept a DIRECTORY with no gym/_manifest.json (as NeMo Gym's controller writes): "
+    "restore from the participant manifests once each is there, complete, of one checkpoint.",
+)
 @_cluster_options
 def restore(
-    directory: str, episodes: tuple[str, ...], address: str, namespace: str, as_json: bool
+    directory: str,
+    episodes: tuple[str, ...],
+    without_gym_manifest: bool,
+    address: str,
+    namespace: str,
+    as_json: bool,
 ) -> None:
     """Restore a fresh fleet from DIRECTORY, all or nothing."""
     try:
         keys = list(episodes)
         if not keys:
-            keys = _checkpointed_episodes(directory)
-        res = _connect(address, namespace).restore(directory, keys)
+            keys = _checkpointed_episodes(directory, without_gym_manifest)
+        res = _connect(address, namespace).restore(
+            directory, keys, allow_without_gym_manifest=without_gym_manifest
+        )
     except CheckpointError as exc:
         _fail(exc, as_json)
     if as_json:
@@ -175,16 +189,26 @@ def restore(
         click.echo(f"  not resumed (its lease will lapse): {who}: {why.get('detail')}", err=True)
 
 
-def _checkpointed_episodes(directory: str) -> list[str]:
+def _checkpointed_episodes(directory: str, without_gym_manifest: bool = False) -> list[str]:
     """Every episode any participant's manifest lists (the default restore scope)."""
     from ray_ckpt.storage import load_manifest, read_gym_manifest
+    from ray_ckpt.storage.gym_manifest import gym_manifest_path, read_participant_manifests
 
-    gym = read_gym_manifest(directory)
+    if gym_manifest_path(directory).exists() or not without_gym_manifest:
+        gym = read_gym_manifest(directory)
+        cid, members = gym.checkpoint_id, [(e.kind, e.instance) for e in gym.participants]
+    else:
+        cid, found = read_participant_manifests(directory)
+        members = sorted(found)
+        if not all(found[m].ours for m in members):
+            # NeMo Gym's manifests do not list their episodes.
+            raise InvalidRequest(
+                f"the participant manifests in {directory} do not list their episodes: "
+                "name them with --episode"
+            )
     keys: set[str] = set()
-    for e in gym.participants:
-        manifest = load_manifest(
-            directory, kind=e.kind, instance=e.instance, checkpoint_id=gym.checkpoint_id
-        )
+    for kind, instance in members:
+        manifest = load_manifest(directory, kind=kind, instance=instance, checkpoint_id=cid)
         keys.update(manifest.episodes)
     return sorted(keys)
 

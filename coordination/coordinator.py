@@ -268,11 +268,16 @@ class Coordinator:
         episode_ids: list[EpisodeId],
         resume: bool = True,
         deadline_s: float | None = None,
+        allow_without_gym_manifest: bool = False,
     ) -> RestoreResult:
         # A restore runs on a fresh fleet: re-resolve every name to its new actor.
         await self._ready(discover=True, refresh=True)
         return await self.core.restore(
-            checkpoint_dir, episode_ids, resume=resume, deadline_s=deadline_s
+            checkpoint_dir,
+            episode_ids,
+            resume=resume,
+            deadline_s=deadline_s,
+            allow_without_gym_manifest=allow_without_gym_manifest,
         )
 
     async def retire(

@@ -21,7 +21,7 @@ from typing import Any
 from coordination.calls import coordination_failed, episode_body, new_id
 from coordination.fanout import failure
 from coordination.hosts import Host
-from coordination.manifests import ManifestReader, read_listed
+from coordination.manifests import ManifestReader, read_listed, read_listed_or_participants
 from coordination.membership import checked, discover_candidates
 from coordination.order import Member, forget_groups, retire_groups
 from coordination.phase_driver import PhaseDriver
@@ -45,9 +45,17 @@ log = logging.getLogger(__name__)
 
 
 class CoordinatorCore(PhaseDriver):
-    def __init__(self, *, manifest_reader: ManifestReader = read_listed, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        manifest_reader: ManifestReader = read_listed,
+        unlisted_reader: ManifestReader = read_listed_or_participants,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.manifest_reader = manifest_reader
+        # Only when a restore asks for it (`allow_without_gym_manifest`).
+        self.unlisted_reader = unlisted_reader
 
     # --- checkpoint ------------------------------------------------------------
     async def prepare(self, deadline_s: float | None = None) -> PrepareResult:
@@ -131,13 +139,20 @@ class CoordinatorCore(PhaseDriver):
         *,
         resume: bool = True,
         deadline_s: float | None = None,
+        allow_without_gym_manifest: bool = False,
     ) -> RestoreResult:
-        """All or nothing: every participant restores, or none keeps what it installed."""
+        """All or nothing: every participant restores, or none keeps what it installed.
+
+        `allow_without_gym_manifest`: a directory without ``gym/_manifest.json``
+        (as NeMo Gym's controller writes them) is restored from its participant
+        manifests, once each is found, complete, and all are of one checkpoint
+        ID; without it such a directory is refused."""
         episodes = list(episode_ids)
+        reader = self.unlisted_reader if allow_without_gym_manifest else self.manifest_reader
         async with self.lock:
             return await restore(
                 self,
-                self.manifest_reader,
+                reader,
                 checkpoint_dir,
                 episodes,
                 resume=resume,

@@ -179,18 +179,39 @@ class CoordinatorHandle:
 
     # --- restore / retire / forget ---------------------------------------------
     def restore(
-        self, checkpoint_dir: str, episode_ids: Iterable[EpisodeLike], *, resume: bool = True
+        self,
+        checkpoint_dir: str,
+        episode_ids: Iterable[EpisodeLike],
+        *,
+        resume: bool = True,
+        allow_without_gym_manifest: bool = False,
     ) -> RestoreResult:
+        """`allow_without_gym_manifest`: restore a directory NeMo Gym's controller
+        wrote (participant manifests only, no ``gym/_manifest.json``), after
+        checking each participant's manifest is there, complete and of one ID."""
         res: RestoreResult = self._sync(
-            "restore", str(checkpoint_dir), episodes(episode_ids), resume
+            "restore",
+            str(checkpoint_dir),
+            episodes(episode_ids),
+            resume,
+            allow_without_gym_manifest=allow_without_gym_manifest,
         )
         return res
 
     async def arestore(
-        self, checkpoint_dir: str, episode_ids: Iterable[EpisodeLike], *, resume: bool = True
+        self,
+        checkpoint_dir: str,
+        episode_ids: Iterable[EpisodeLike],
+        *,
+        resume: bool = True,
+        allow_without_gym_manifest: bool = False,
     ) -> RestoreResult:
         res: RestoreResult = await self._async(
-            "restore", str(checkpoint_dir), episodes(episode_ids), resume
+            "restore",
+            str(checkpoint_dir),
+            episodes(episode_ids),
+            resume,
+            allow_without_gym_manifest=allow_without_gym_manifest,
         )
         return res
 

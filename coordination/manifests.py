@@ -28,7 +28,28 @@ def write_gym_manifest_from_replies(
 
 
 def read_listed(checkpoint_dir: str) -> tuple[str | None, set[tuple[str, str]]]:
+    from ray_ckpt.errors import InvalidCheckpointState
     from ray_ckpt.storage import read_gym_manifest
+    from ray_ckpt.storage.gym_manifest import gym_manifest_path
 
+    if not gym_manifest_path(checkpoint_dir).exists():
+        raise InvalidCheckpointState(
+            f"missing Gym manifest {gym_manifest_path(checkpoint_dir)}: checkpoint incomplete "
+            "or absent (a checkpoint NeMo Gym's controller wrote has none: restore it with "
+            "allow_without_gym_manifest=True, `ray-ckpt restore --without-gym-manifest`)"
+        )
     gym = read_gym_manifest(checkpoint_dir)
     return gym.checkpoint_id, {(e.kind, e.instance) for e in gym.participants}
+
+
+def read_listed_or_participants(checkpoint_dir: str) -> tuple[str | None, set[tuple[str, str]]]:
+    """The explicit opt-in reader (`allow_without_gym_manifest`): the Gym
+    manifest when there is one, else the participant manifests themselves —
+    what NeMo Gym's controller leaves (it writes no Gym manifest), each
+    complete and all of one checkpoint ID (`read_participant_manifests`)."""
+    from ray_ckpt.storage.gym_manifest import gym_manifest_path, read_participant_manifests
+
+    if gym_manifest_path(checkpoint_dir).exists():
+        return read_listed(checkpoint_dir)
+    cid, found = read_participant_manifests(checkpoint_dir)
+    return cid, set(found)

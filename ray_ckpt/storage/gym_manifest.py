@@ -391,6 +391,33 @@ def _unlisted(checkpoint_dir: str | os.PathLike[str], kind: str, instance: str) 
     )
 
 
+def read_participant_manifests(
+    checkpoint_dir: str | os.PathLike[str],
+) -> tuple[str, dict[tuple[str, str], ManifestSummary]]:
+    """A checkpoint without a Gym manifest (NeMo Gym's controller writes none):
+    every participant manifest under ``<dir>/gym/``, each complete and all of
+    one checkpoint ID; (that ID, the manifests by (kind, instance)).
+
+    Complete as far as is cheap to tell without reading the records: the
+    manifest parses, names its own kind and instance, and its records file is
+    there (with the size the manifest says, when it says one).  Each
+    participant still verifies its records in full when it restores."""
+    found: dict[tuple[str, str], ManifestSummary] = {}
+    for kind, instance in sorted(_present(checkpoint_dir)):
+        path, data = manifest_bytes(checkpoint_dir, kind, instance)
+        found[(kind, instance)] = summarize_manifest(checkpoint_dir, kind, instance, data, path)
+    if not found:
+        raise InvalidCheckpointState(f"no participant manifest under {checkpoint_dir}/gym")
+    ids = {m.checkpoint_id for m in found.values()}
+    if len(ids) != 1:
+        by = ", ".join(f"{k}/{i}: {m.checkpoint_id}" for (k, i), m in sorted(found.items()))
+        raise InvalidCheckpointState(
+            f"participant manifests under {checkpoint_dir}/gym belong to different "
+            f"checkpoints ({by})"
+        )
+    return ids.pop(), found
+
+
 def verify_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> CheckpointReport:
     """Check every listed participant in full; report unlisted or broken ones."""
     errors: list[str] = []
