@@ -85,6 +85,12 @@ class AgentParticipant:
     def live_executions(self) -> int:
         return self.steps.live_executions()
 
+    def retiring(self) -> int:
+        # The attempts being stopped right now (`status.retiring`): a stop
+        # outlives a retire call that gave up, so the controller's count of
+        # calls in flight would undercount.
+        return self.steps.retiring()
+
     def fresh(self) -> bool:
         return self.steps.fresh() and not self.sessions and not self._installed
 

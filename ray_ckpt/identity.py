@@ -21,21 +21,30 @@ from ray_ckpt.errors import InvalidRequest
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*\Z"
 _ID_RE = re.compile(ID_PATTERN)
 _RESERVED_SUFFIX = re.compile(r"-a([1-9][0-9]*)\Z")
+# The checkpoint-ID bound (NeMo Gym's too).
 MAX_ID_LENGTH = 128
+# NeMo Gym sets no maximum on rollout IDs, and callers derive them from their
+# own task IDs, so ours is generous: a bound only so a request stays bounded.
+# IDs never become path components (records are stored per participant), so
+# no file-name limit applies.
+MAX_ROLLOUT_ID_LENGTH = 1024
+# A capture key adds at most "-a" and an attempt number.
+MAX_CAPTURE_KEY_LENGTH = MAX_ROLLOUT_ID_LENGTH + 24
 
 ROLLOUT_PATH_PREFIX = "ng-rollout"
 
 RolloutIdStr = Annotated[
-    str, msgspec.Meta(min_length=1, max_length=MAX_ID_LENGTH, pattern=ID_PATTERN)
+    str, msgspec.Meta(min_length=1, max_length=MAX_ROLLOUT_ID_LENGTH, pattern=ID_PATTERN)
 ]
 
 
 def validate_rollout_id(rollout_id: str) -> str:
     """Return `rollout_id` if it is legal, else raise `InvalidRequest`."""
+    # The length first: a huge string is refused without scanning it.
+    if isinstance(rollout_id, str) and len(rollout_id) > MAX_ROLLOUT_ID_LENGTH:
+        raise InvalidRequest(f"rollout id is longer than {MAX_ROLLOUT_ID_LENGTH} characters")
     if not isinstance(rollout_id, str) or not _ID_RE.fullmatch(rollout_id):
         raise InvalidRequest(f"rollout id {rollout_id!r} must match {ID_PATTERN}")
-    if len(rollout_id) > MAX_ID_LENGTH:
-        raise InvalidRequest(f"rollout id is longer than {MAX_ID_LENGTH} characters")
     if _RESERVED_SUFFIX.search(rollout_id):
         raise InvalidRequest(f"rollout id {rollout_id!r} ends in the reserved attempt suffix -a<N>")
     return rollout_id
@@ -73,7 +82,11 @@ class EpisodeId(msgspec.Struct, frozen=True, forbid_unknown_fields=True, order=T
     @classmethod
     def from_capture_key(cls, key: str) -> EpisodeId:
         """Parse ``r`` / ``r-aN``; the exact inverse of `capture_key`."""
-        if not isinstance(key, str) or not _ID_RE.fullmatch(key) or len(key) > MAX_ID_LENGTH + 24:
+        if (
+            not isinstance(key, str)
+            or len(key) > MAX_CAPTURE_KEY_LENGTH
+            or not _ID_RE.fullmatch(key)
+        ):
             raise InvalidRequest(f"malformed capture key {key!r}")
         match = _RESERVED_SUFFIX.search(key)
         if match is None:

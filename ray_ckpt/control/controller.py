@@ -36,7 +36,7 @@ from ray_ckpt.control.wire import (
     RestoreRequest,
     RetireRequest,
     decode_request,
-    to_builtins,
+    report_reply,
 )
 from ray_ckpt.errors import CheckpointConflict, InvalidCheckpointState
 from ray_ckpt.identity import EpisodeId
@@ -116,7 +116,7 @@ class ParticipantController:
             "retired_rollouts": len(self.retired),
             "retiring": self._retiring_now(),
             "live_executions": self.participant.live_executions(),
-            "report": to_builtins(self.participant.report(MAX_REPORTED_BLOCKERS)),
+            "report": report_reply(self.participant.report(MAX_REPORTED_BLOCKERS)),
         }
 
     def _retiring_now(self) -> int:
@@ -136,7 +136,10 @@ class ParticipantController:
             cached = self.state.admit("prepare", cid)
             if cached is not None:
                 return dict(cached)
-            req.remaining(self.clock.now())
+            # No deadline check here: the deadline bounds only the wait, so
+            # a ready participant answers `prepared` even past it (clock skew
+            # between nodes must not fail a ready checkpoint), and one that
+            # is not answers `preparing` with its blockers, admission closed.
             if self.state.phase is Phase.IDLE:
                 transition = self.state.fire(Event.PREPARE, cid)
                 try:
@@ -148,14 +151,14 @@ class ParticipantController:
         # Wait outside the lock so a resume can interrupt this prepare.
         await self._ready.wait(req)
         async with self._lock:
-            report = to_builtins(self.participant.report(MAX_REPORTED_BLOCKERS))
+            report = report_reply(self.participant.report(MAX_REPORTED_BLOCKERS))
             if self.state.checkpoint_id != cid:
                 # A resume (or a lapsed lease) ended this checkpoint while we
                 # waited: answer for this ID, not for one opened since.
                 return {"phase": Phase.IDLE.value, "report": report}
             if self.state.phase is Phase.PREPARING and self.participant.ready():
                 self.state.fire(Event.READY)
-                report = to_builtins(self.participant.report(MAX_REPORTED_BLOCKERS))
+                report = report_reply(self.participant.report(MAX_REPORTED_BLOCKERS))
                 reply = {"phase": Phase.PREPARED.value, "report": report}
                 self.state.cache("prepare", cid, reply)
                 return reply
@@ -263,9 +266,10 @@ class ParticipantController:
             if active is not None and active != cid:
                 raise CheckpointConflict(f"checkpoint {active} is open; resume of {cid} refused")
             if active is None:
-                # The prepare never reached us: record the ID so it is refused if it does.
+                # The prepare never reached us: record the ID so it is refused
+                # if it does.  Nothing was open, so nothing changed: idempotent.
                 self.state.remember_resumed(cid)
-                return {"phase": self.state.phase.value, "idempotent": False}
+                return {"phase": self.state.phase.value, "idempotent": True}
             if self.state.phase is Phase.RESTORED:
                 await self._restores.installed()
                 await self._restores.settle()

@@ -85,6 +85,14 @@ ALLOWED: dict[str, frozenset[Phase]] = {
 }
 
 
+# Outside an open checkpoint these are not fenced by remembered IDs: NeMo
+# Gym's straggler path is "resume (abort), then retire the blockers" under
+# the same ID.  That is safe because a retire only raises marks (never
+# lowers one) and a forget only drops marks of rollouts the caller is done
+# with; neither can reopen or overwrite a checkpoint.
+UNFENCED_WHEN_CLOSED = frozenset({"retire", "forget"})
+
+
 class IllegalTransition(InvalidPhase):
     def __init__(self, phase: Phase, event: Event) -> None:
         super().__init__(f"event {event.value!r} is not legal in phase {phase.value!r}")
@@ -117,15 +125,18 @@ class ControlState:
     def admit(self, op: str, checkpoint_id: str, *, unfinished: bool = False) -> Any | None:
         """Fence a call: stale, then conflict, then phase.
 
+        A retire or forget under a resumed ID is not stale while no checkpoint
+        is open (`UNFENCED_WHEN_CLOSED`); inside an open one it is.
+
         Returns the cached reply of a completed identical call, else None.
         `unfinished`: the controller knows this same-ID call started and never
         answered (a commit whose release step failed, a restore whose install
         outlived its call), so a retry may join it instead of being refused as
         a different repeat.
         """
-        if checkpoint_id in self.resumed:
-            raise StaleCheckpoint(f"checkpoint {checkpoint_id} was already resumed")
         active = self.checkpoint_id
+        if checkpoint_id in self.resumed and not (op in UNFENCED_WHEN_CLOSED and active is None):
+            raise StaleCheckpoint(f"checkpoint {checkpoint_id} was already resumed")
         if active is not None and active != checkpoint_id:
             raise CheckpointConflict(
                 f"checkpoint {active} is open; {op} for {checkpoint_id} refused"

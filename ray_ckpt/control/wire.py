@@ -1,7 +1,8 @@
 """Control-plane wire types: frozen msgspec Structs, decoders built once.
 
 Request bodies match NeMo Gym's control routes: unknown fields are refused,
-`checkpoint_id` follows the ID pattern (1-128 chars) and `deadline_ts` is the
+`checkpoint_id` follows the ID pattern (1-128 chars; a rollout ID may be up
+to 1,024) and `deadline_ts` is the
 absolute Unix-epoch deadline of the call.  New fields get defaults.
 """
 
@@ -108,11 +109,53 @@ class Blocker(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class PrepareReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What a participant's `report(limit)` hook returns (in process).
+
+    `blockers` here are the rich objects; on the wire (`wire()`) they go out
+    as NeMo Gym's capture-key strings under `blockers` and as objects under
+    `blocker_details`.
+    """
+
     ready: bool
     blockers: list[Blocker] = msgspec.field(default_factory=list)
     blocker_count: int = 0
     counts: dict[str, int] = msgspec.field(default_factory=dict)
     restarts: list[str] = msgspec.field(default_factory=list)
+
+    def wire(self) -> ReportReply:
+        # Capped here too, whatever limit the hook honoured; the count is
+        # never below what was listed.
+        listed = self.blockers[:MAX_REPORTED_BLOCKERS]
+        return ReportReply(
+            ready=self.ready,
+            blockers=[b.key for b in listed],
+            blocker_count=max(self.blocker_count, len(self.blockers)),
+            counts=dict(self.counts),
+            restarts=list(self.restarts),
+            blocker_details=list(listed),
+        )
+
+
+class ReportReply(msgspec.Struct, frozen=True, kw_only=True):
+    """`report` in status and prepare replies, in NeMo Gym's shape.
+
+    `blockers` are capture-key strings because NeMo Gym's controller turns
+    each one back into an episode (`EpisodeId.from_capture_key`) to retire
+    it; `blocker_details` carries our per-blocker objects, same cap and order.
+    """
+
+    ready: bool
+    blockers: list[str]
+    blocker_count: int
+    counts: dict[str, int]
+    restarts: list[str]
+    blocker_details: list[Blocker]
+
+
+def report_reply(report: PrepareReport) -> dict[str, Any]:
+    """A participant's report as the plain dict a reply carries."""
+    out: dict[str, Any] = msgspec.to_builtins(report.wire())
+    return out
 
 
 def to_builtins(value: Any) -> Any:

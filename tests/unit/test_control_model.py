@@ -27,8 +27,10 @@ class Model:
         self.active: str | None = None
         self.resumed: set[str] = set()
 
-    def fence(self, cid: str) -> str | None:
-        if cid in self.resumed:
+    def fence(self, cid: str, *, unfenced_when_closed: bool = False) -> str | None:
+        # Retire and forget outside an open checkpoint are not fenced by
+        # resumed IDs (NeMo Gym's straggler path: resume, then retire).
+        if cid in self.resumed and not (unfenced_when_closed and self.active is None):
             return "stale_checkpoint"
         if self.active is not None and self.active != cid:
             return "checkpoint_conflict"
@@ -58,18 +60,23 @@ class Model:
         return "invalid_phase" if self.phase == "idle" else "ok"
 
     def retire(self, cid: str) -> str:
-        if err := self.fence(cid):
+        if err := self.fence(cid, unfenced_when_closed=True):
             return err
         return "ok" if self.phase in ("idle", "restored") else "invalid_phase"
 
+    forget = retire  # the same fence and phases
+
     def resume(self, cid: str) -> str:
+        """`ok idempotent` when nothing was open for `cid` (resumed before,
+        or never seen while idle), `ok` when it ended an open checkpoint."""
         if cid in self.resumed:
-            return "ok"
+            return "ok idempotent"
         if self.active is not None and self.active != cid:
             return "checkpoint_conflict"
         self.resumed.add(cid)
+        ended = self.active is not None
         self.phase, self.active = "idle", None
-        return "ok"
+        return "ok" if ended else "ok idempotent"
 
     def expire(self) -> None:
         if self.active is not None:
@@ -90,17 +97,22 @@ class ControlMachine(RuleBasedStateMachine):
         )
         self.model = Model()
 
-    def call(self, op: str, cid: str, **extra: Any) -> str:
-        body = {"checkpoint_id": cid, "deadline_ts": self.clock.now() + 10, **extra}
+    def call(self, op: str, cid: str, ahead: float = 10.0, **extra: Any) -> str:
+        body = {"checkpoint_id": cid, "deadline_ts": self.clock.now() + ahead, **extra}
         try:
-            self.loop.run_until_complete(self.ctl.handle(op, body))
+            reply = self.loop.run_until_complete(self.ctl.handle(op, body))
         except CheckpointError as exc:
             return exc.code
-        return "ok"
+        return "ok idempotent" if reply.get("idempotent") else "ok"
 
     @rule(cid=IDS)
     def prepare(self, cid: str) -> None:
         assert self.call("prepare", cid) == self.model.prepare(cid)
+
+    @rule(cid=IDS)
+    def prepare_past_its_deadline(self, cid: str) -> None:
+        # The deadline bounds only the wait: always-ready work is prepared.
+        assert self.call("prepare", cid, ahead=-1.0) == self.model.prepare(cid)
 
     @rule(cid=IDS)
     def commit(self, cid: str) -> None:
@@ -118,6 +130,10 @@ class ControlMachine(RuleBasedStateMachine):
     def retire(self, cid: str) -> None:
         got = self.call("retire", cid, episode_ids=[{"rollout_id": "gone"}])
         assert got == self.model.retire(cid)
+
+    @rule(cid=IDS)
+    def forget(self, cid: str) -> None:
+        assert self.call("forget", cid, rollout_ids=["gone"]) == self.model.forget(cid)
 
     @rule()
     def lease_lapses(self) -> None:

@@ -95,3 +95,21 @@ def test_retire_allowed_only_idle_or_restored() -> None:
     assert s.admit("retire", "c") is None
     with pytest.raises(CheckpointConflict):
         s.admit("retire", "other")
+
+
+@pytest.mark.parametrize("op", ["retire", "forget"])
+def test_retire_and_forget_under_a_resumed_id_are_served_only_while_closed(op: str) -> None:
+    s = ControlState()
+    s.fire(Event.PREPARE, "c1")
+    s.fire(Event.RESUME)
+    # NeMo Gym's straggler path: resume (abort), then retire under the same ID.
+    assert s.admit(op, "c1") is None
+    # Everything that could reopen or overwrite the checkpoint stays fenced.
+    for other in ("prepare", "renew", "commit", "restore"):
+        with pytest.raises(StaleCheckpoint):
+            s.admit(other, "c1")
+    # Inside an open checkpoint today's rules hold: the resumed ID is stale.
+    s.fire(Event.RESTORE, "c2")
+    with pytest.raises(StaleCheckpoint):
+        s.admit(op, "c1")
+    assert s.admit(op, "c2") is None

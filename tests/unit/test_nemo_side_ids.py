@@ -1,0 +1,54 @@
+"""Rollout IDs up to 1,024 characters (NeMo Gym sets no maximum); a typed 400
+beyond the bound; the checkpoint-ID bound stays 128."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ray_ckpt import EpisodeId
+from ray_ckpt.control.wire import decode_request
+from ray_ckpt.errors import InvalidRequest
+from ray_ckpt.identity import MAX_ID_LENGTH, MAX_ROLLOUT_ID_LENGTH, parse_rollout_path
+
+LONG = "r" * 1024
+
+
+def test_the_bounds() -> None:
+    assert MAX_ROLLOUT_ID_LENGTH >= 1024 and MAX_ID_LENGTH == 128
+
+
+def test_a_1024_character_rollout_id_is_one_episode_everywhere() -> None:
+    ep = EpisodeId(LONG, 3)
+    assert EpisodeId.from_capture_key(ep.capture_key) == ep
+    assert parse_rollout_path(f"/ng-rollout/{ep.capture_key}/step") == (ep, "/step")
+    retire = decode_request(
+        "retire", {"checkpoint_id": "retire", "deadline_ts": 1.0,
+                   "episode_ids": [{"rollout_id": LONG, "attempt": 3}]},
+    )  # fmt: skip
+    assert retire.episode_ids == [ep]  # type: ignore[attr-defined]
+    forget = decode_request(
+        "forget", b'{"checkpoint_id":"forget","deadline_ts":1,"rollout_ids":["' + LONG.encode()
+        + b'"]}',
+    )  # fmt: skip
+    assert forget.rollout_ids == [LONG]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "op, body",
+    [
+        ("retire", {"episode_ids": [{"rollout_id": "r" * (MAX_ROLLOUT_ID_LENGTH + 1)}]}),
+        ("forget", {"rollout_ids": ["r" * (MAX_ROLLOUT_ID_LENGTH + 1)]}),
+        ("prepare", {"checkpoint_id": "c" * (MAX_ID_LENGTH + 1)}),
+    ],
+)
+def test_beyond_the_bound_is_invalid_request(op: str, body: dict[str, Any]) -> None:
+    full = {"checkpoint_id": "c1", "deadline_ts": 1.0, **body}
+    with pytest.raises(InvalidRequest) as info:
+        decode_request(op, full)
+    assert info.value.http_status == 400
+    with pytest.raises(InvalidRequest):
+        EpisodeId.from_capture_key("r" * (MAX_ROLLOUT_ID_LENGTH + 1))
+    with pytest.raises(InvalidRequest):
+        EpisodeId("r" * (MAX_ROLLOUT_ID_LENGTH + 1))
