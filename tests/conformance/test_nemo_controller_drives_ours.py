@@ -200,7 +200,6 @@ async def test_failed_restore_cleanup_retires_next_attempts_everywhere_then_resu
         await run_episode(http, new.urls["environment"], EpisodeId("warm", 1), TASK, timeout_s=5)
 
 
-@pytest.mark.xfail(strict=True, reason=BLOCKERS)
 async def test_straggler_path_resume_then_retire_blockers_under_the_same_id(
     start: Start, http: aiohttp.ClientSession, spawn: Spawn
 ) -> None:
@@ -228,7 +227,6 @@ async def test_straggler_path_resume_then_retire_blockers_under_the_same_id(
     await ctl.resume(members, "ckpt-s2", ahead())
 
 
-@pytest.mark.xfail(strict=True, reason=RETIRE)
 async def test_retire_and_forget_under_a_resumed_id_outside_a_checkpoint(
     start: Start, http: aiohttp.ClientSession
 ) -> None:
@@ -244,7 +242,6 @@ async def test_retire_and_forget_under_a_resumed_id_outside_a_checkpoint(
         pytest.fail(f"{RETIRE}: {exc}")
 
 
-@pytest.mark.xfail(strict=True, reason=PAST_DEADLINE)
 async def test_prepare_past_its_deadline_answers_prepared_when_ready(
     start: Start, http: aiohttp.ClientSession
 ) -> None:
@@ -260,7 +257,6 @@ async def test_prepare_past_its_deadline_answers_prepared_when_ready(
     assert result.prepared, result.replies
 
 
-@pytest.mark.xfail(strict=True, reason=NEVER_SEEN)
 async def test_resume_of_a_never_seen_id_is_idempotent(
     start: Start, http: aiohttp.ClientSession
 ) -> None:
@@ -273,7 +269,6 @@ async def test_resume_of_a_never_seen_id_is_idempotent(
     assert {r["idempotent"] for r in replies.values()} == {True}, f"{NEVER_SEEN}: {replies}"
 
 
-@pytest.mark.xfail(strict=True, reason=LONG_ID)
 async def test_a_long_rollout_id_is_accepted(start: Start, http: aiohttp.ClientSession) -> None:
     fleet = await start(CONFIG)
     ctl = Controller(http, TOKEN)
