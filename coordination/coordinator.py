@@ -21,6 +21,7 @@ from typing import Any
 from coordination.core import CoordinatorCore
 from coordination.hosts import Host, HttpHost, RayHost, RayPauseTarget
 from coordination.journal import Journal
+from coordination.membership import KindMismatch
 from coordination.order import Member
 from coordination.results import (
     CheckpointResult,
@@ -85,7 +86,12 @@ class Coordinator:
                 if how.get("transport") == "ray":
                     await self._register_named(Member.parse(key), how.get("actor", key))
         if self.auto_discover:
-            await self.discover(refresh=True)
+            try:
+                await self.discover(refresh=True)
+            except KindMismatch as exc:
+                # Recovery must still abort what was left open; the mismatch
+                # fails the next discovery (every prepare) by name.
+                log.error("discovery during recovery: %s", exc)
         return await self.core.recover()
 
     # --- membership ----------------------------------------------------------
@@ -112,6 +118,7 @@ class Coordinator:
         # need not be the one this coordinator was named in.
         found = await asyncio.to_thread(ray.util.list_named_actors, True)
         live: set[str] = set()
+        mismatched: list[str] = []
         for item in found:
             name = item["name"] if isinstance(item, dict) else str(item)
             if isinstance(item, dict) and item.get("namespace") != self.namespace:
@@ -122,11 +129,17 @@ class Coordinator:
             live.add(name)
             if name in self.core.hosts and not refresh:
                 continue
-            await self._register_named(Member(kind, rest), name)
+            try:
+                await self._register_named(Member(kind, rest), name)
+            except KindMismatch as exc:
+                # The others are still registered; the mismatch is raised below.
+                mismatched.append(exc.detail)
         for key, host in list(self.core.hosts.items()):
             if isinstance(host, RayHost) and host.named and host.actor_name not in live:
                 log.warning("%s: no live actor named %s; dropped", key, host.actor_name)
                 await self.core.drop_host(self.core.unregister(key))
+        if mismatched:
+            raise KindMismatch("; ".join(mismatched))
         return sorted(self.core.hosts)
 
     async def register_actor(self, kind: str, name: str, handle: Any = None) -> str:

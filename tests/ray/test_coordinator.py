@@ -179,3 +179,37 @@ def test_coordinator_killed_mid_checkpoint_leases_lapse_and_a_new_one_takes_over
         time.sleep(0.1)
     assert recovered == opened.checkpoint_id
     assert {ray.get(h.status.remote())["phase"] for h in hosts.values()} == {"idle"}
+
+
+def test_an_actor_reporting_another_kind_is_refused_at_registration(
+    namespace: str, tmp_path: pathlib.Path
+) -> None:
+    from ray_ckpt.errors import InvalidRequest
+    from tests.ray.coord_actors import RecordingHost
+
+    honest = start_host(namespace, "environment/env")
+    # Named as an agent, but its status says resources.
+    liar = (
+        ray.remote(RecordingHost)
+        .options(name="agent/liar", namespace=namespace, num_cpus=0)
+        .remote("resources", "liar")
+    )
+    ray.get([honest.status.remote(), liar.status.remote()])
+    gym = connect(namespace=namespace, state_dir=str(tmp_path / "state"))
+    with pytest.raises(InvalidRequest, match="agent/liar reports kind 'resources'"):
+        gym.discover()
+    with pytest.raises(InvalidRequest, match="register it as resources/liar"):
+        gym.register_actor("agent", "liar", liar)
+    # Every discovery (each prepare, status) fails naming it until it is gone.
+    with pytest.raises(InvalidRequest, match="agent/liar"):
+        gym.prepare()
+    ray.kill(liar)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            rows = gym.status().participants
+            break
+        except InvalidRequest:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    assert [p.participant for p in rows] == ["environment/env"]
