@@ -34,3 +34,7 @@ async def serve() -> AsyncIterator[Serve]:
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as session:
         yield session
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--seeds", type=int, default=None, help="random sequence seeds 0..N-1")
