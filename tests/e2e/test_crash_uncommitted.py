@@ -96,7 +96,7 @@ async def test_crash_mid_prepare_leaves_nothing_and_the_previous_checkpoint_rest
         with pytest.raises(CoordinationFailed) as info:
             await prepare
         assert info.value.failures[fleet.names["environment"]]["code"] == "participant_unavailable"
-        blockers = status["report"]["blockers"]
+        blockers = status["report"]["blocker_details"]
         assert all(b["mode"] == "wait" for b in blockers), blockers
         assert {b["key"] for b in blockers} <= {e.capture_key for e in rollouts.unfinished()}
         assert not written(c2), "a checkpoint that never committed wrote nothing"

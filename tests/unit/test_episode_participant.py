@@ -96,7 +96,7 @@ async def test_the_real_controller_checkpoints_and_restores_episodes(tmp_path: P
     prepare = asyncio.create_task(ctl.handle("prepare", body("c1")))
     await asyncio.sleep(0.05)
     assert not prepare.done()
-    blockers = ctl.status()["report"]["blockers"]
+    blockers = ctl.status()["report"]["blocker_details"]
     assert [(b["key"], b["state"], b["step"], b["mode"]) for b in blockers] == [
         ("r1", "wait_step", 1, "wait")
     ]
