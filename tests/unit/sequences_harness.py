@@ -19,7 +19,8 @@ fleet it launches (`SeqGym.relaunch`):
 `Scenario.draw(seed)` picks the fleet config, the tasks (step counts,
 deadlines that never or always expire, failing steps) and the action count;
 `uninterrupted` runs it with no control action, `Sequence` runs it with random
-actions.  Outcomes are compared as ("result", digest) or ("failure", code).
+actions.  The environment's closing calls are
+sometimes slow.  Outcomes are compared as ("result", digest) or ("failure", code).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class Scenario:
     tasks: dict[str, dict[str, Any]]
     faults: dict[str, int]  # rollout -> the agent step that fails
     n_actions: int
+    close_delay_s: float = 0.0  # the environment's closing calls (its last step)
 
     @classmethod
     def draw(cls, seed: int) -> Scenario:
@@ -87,10 +89,11 @@ class Scenario:
             deadline = rng.choice(deadlines)
             if deadline is not None:
                 task["deadline_s"] = deadline
-            if rng.random() < 0.2:
+            # Not with a tiny deadline: which of the two fails first is a race.
+            if deadline != TINY_DEADLINE_S and rng.random() < 0.2:
                 faults[rollout] = rng.randrange(int(task["steps"]))
             tasks[rollout] = task
-        return cls(seed, config, tasks, faults, rng.randint(3, 9))
+        return cls(seed, config, tasks, faults, rng.randint(3, 9), rng.choice([0.0, 0.005]))
 
 
 def project(rows: list[dict[str, Any]]) -> list[LedgerRow]:
@@ -103,15 +106,17 @@ def project(rows: list[dict[str, Any]]) -> list[LedgerRow]:
 class SeqGym(LocalGym):
     """`LocalGym` whose every fleet carries the failing steps and the probes."""
 
-    def __init__(self, config: FleetConfig, faults: dict[str, int]) -> None:
-        super().__init__(config)
-        self.faults = faults
+    def __init__(self, scenario: Scenario) -> None:
+        super().__init__(scenario.config)
+        self.faults = scenario.faults
+        self.close_delay_s = scenario.close_delay_s
         self.violations: list[str] = []
         self.collected: dict[EpisodeId, list[list[LedgerRow]]] = defaultdict(list)
 
     async def relaunch(self) -> None:
         await super().relaunch()
         self._fail_steps(self.server("environment"))
+        self._slow_close(self.server("environment"))
         self._gate_env(self.server("environment"))
         self._gate_model(self.server("model").participant)
 
@@ -125,6 +130,19 @@ class SeqGym(LocalGym):
             return await activate(episode, step, observation)
 
         env.activate = failing
+
+    def _slow_close(self, env: Any) -> None:
+        # A slow last step: an outcome is often on its way out when a checkpoint
+        # closes, which is where an outcome could slip past the closed gate.
+        close = env.close
+        delay = self.close_delay_s
+
+        async def slow(episode: EpisodeId) -> None:
+            if delay:
+                await asyncio.sleep(delay)
+            await close(episode)
+
+        env.close = slow
 
     def _gate_env(self, env: Any) -> None:
         steps = env.steps
@@ -166,6 +184,7 @@ class Driver:
         default_factory=lambda: defaultdict(list)
     )
     running: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)  # capture key -> typed error
 
     def episode(self, rollout: str) -> EpisodeId:
         return EpisodeId(rollout, self.attempts.get(rollout, 0))
@@ -191,7 +210,10 @@ class Driver:
         async def drive() -> None:
             if delay_s:
                 await asyncio.sleep(delay_s)
-            self.outcomes[rollout].append((attempt, await call(session, env_url, episode, task)))
+            got = await call(session, env_url, episode, task)
+            if got[0] == "error":
+                self.refused[episode.capture_key] = DETAILS[-1]
+            self.outcomes[rollout].append((attempt, got))
 
         task = self.tasks[rollout]
         self.running[rollout] = asyncio.ensure_future(drive())
@@ -236,7 +258,7 @@ class Run:
 
 
 async def uninterrupted(scenario: Scenario, session: aiohttp.ClientSession) -> Run:
-    gym = SeqGym(scenario.config, scenario.faults)
+    gym = SeqGym(scenario)
     await gym.relaunch()
     try:
         driver = Driver(scenario.tasks)
@@ -332,7 +354,8 @@ class Sequence:
         both refused, and neither changes what the right continuation gets."""
         url = self.gym.env_url
         if self.rng.random() < 0.3:
-            other = {**self.driver.tasks[episode.rollout_id], "seed": -1}
+            task = self.driver.tasks[episode.rollout_id]
+            other = {**task, "seed": int(task["seed"]) + 1}
             got = await call(self.session, url, nxt, other)
             self.log.append(f"mismatched {nxt.capture_key} -> {got}")
             if got != ("error", "invalid_request"):
