@@ -29,9 +29,8 @@ async def test_an_episode_captured_before_its_first_boundary_continues() -> None
     old, episode, release = EpisodeSteps(), EpisodeId("r"), asyncio.Event()
 
     async def run() -> None:
-        async with old.begin(episode, expect=expect_task(TASK)) as ep:
-            async with ep.step("replay", name="seed"):
-                await release.wait()
+        async with old.begin(episode, expect=expect_task(TASK)) as ep, ep.step("replay"):
+            await release.wait()  # the seed call in flight
 
     task = asyncio.ensure_future(run())
     await asyncio.sleep(0.01)
