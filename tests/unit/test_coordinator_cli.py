@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 
+import pytest
 from click.testing import CliRunner
 
 from coordination.cli import main
@@ -20,3 +21,41 @@ def test_every_command_is_listed() -> None:
     assert result.exit_code == 0
     for name in ("status", "checkpoint", "restore", "retire", "inspect", "demo"):
         assert name in result.output
+
+
+class _Handle:
+    """Stands in for the cluster's coordinator: records what `restore` was asked."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, list[str], bool]] = []
+
+    def restore(
+        self, directory: str, keys: list[str], *, allow_without_gym_manifest: bool = False
+    ) -> object:
+        from coordination.results import RestoreResult
+
+        self.asked.append((directory, keys, allow_without_gym_manifest))
+        return RestoreResult(
+            checkpoint_id="restore-1",
+            source_checkpoint_id="ckpt-1",
+            checkpoint_dir=directory,
+            total_s=0.0,
+            timings={},
+            restored={},
+            resumed=True,
+        )
+
+
+def test_restore_without_gym_manifest_is_asked_for_explicitly(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import coordination.cli as cli
+
+    handle = _Handle()
+    monkeypatch.setattr(cli, "_connect", lambda address, namespace: handle)
+    for flags, allowed in (([], False), (["--without-gym-manifest"], True)):
+        result = CliRunner().invoke(
+            main, ["restore", str(tmp_path), "--episode", "r0", "--namespace", "n", *flags]
+        )
+        assert result.exit_code == 0, result.output
+        assert handle.asked[-1] == (str(tmp_path), ["r0"], allowed)
