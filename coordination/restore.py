@@ -1,8 +1,10 @@
 """Restore from a checkpoint, all or nothing, and its undo.
 
 `restore` checks the Gym manifest lists exactly the registered participants
-(no more, no fewer), asks them all to install the given episodes, and on any
-failure runs
+(no more, no fewer) — or, when the caller allows a directory without one
+(NeMo Gym's controller writes none), that the participant manifests there
+do — asks them all to install the given episodes, and on any failure (or
+any exception of ours) runs
 `undo_restore`: retire the next attempts everywhere, then resume everyone.
 `recover` runs the same undo for a restore a previous coordinator left open.
 

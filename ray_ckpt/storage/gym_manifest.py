@@ -5,6 +5,12 @@ names each participant and the sha256 of its ``manifest.json``, so a restore
 can tell a participant that is missing, torn, or present but never part of
 this checkpoint.  The leading underscore keeps the name out of the kind
 namespace (kinds must start with a letter or digit).
+
+Participant manifests may be ours or NeMo Gym's (`records_sha256`,
+`record_count`, `records-<sha>.jsonl`, no `bytes`): both are listed and
+verified (`summarize_manifest`, `verify_participant`).  A directory NeMo
+Gym's controller wrote has no Gym manifest; `read_participant_manifests`
+reads such a one for a restore that explicitly allows it.
 """
 
 from __future__ import annotations
