@@ -291,6 +291,8 @@ class Sequence:
         self.started: set[str] = set()
         self.retired: set[tuple[str, int]] = set()
         self.checkpoints: list[Path] = []
+        # Committed and resumed (not crashed): (dir, scope), restored at the end.
+        self.resumed: list[tuple[Path, list[EpisodeId]]] = []
         self.log: list[str] = []  # the actions, for a failing seed's report
         self.refusals: list[str] = []  # a mismatched or stale continuation not refused
 
@@ -340,6 +342,7 @@ class Sequence:
         await self.hold()
         if not crash:
             await self.gym.resume()
+            self.resumed.append((where, scope))
             return
         restored = await crash_restore(self.gym, self.driver, str(where), scope)  # type: ignore[arg-type]
         continued = set(env_keys(restored))
@@ -384,3 +387,15 @@ class Sequence:
         for rollout in self.pending():
             self.start(rollout)
         await self.driver.wait(timeout_s=30)
+
+
+async def restores(scenario: Scenario, where: Path, scope: list[EpisodeId]) -> set[str]:
+    """Restore a committed checkpoint into a fresh fleet; the environment keys."""
+    gym = SeqGym(scenario)
+    try:
+        await gym.relaunch()
+        result = await gym.restore(str(where), scope)
+        await gym.resume()
+    finally:
+        await gym.close()
+    return set(env_keys(result))
