@@ -1,13 +1,11 @@
-"""Found by the randomized sequences (seeds 4, 27, 70, 81, 157, 159, ...): a known
-bug in `participants/environment.py`, not fixed here (not this test's files).
+"""Found by the randomized sequences (seeds 4, 27, 70, 81, 157, 159, ...).
 
 An episode captured before its first boundary (a checkpoint closes while its
 seed step, a replay step, is in flight) is exported with boundary None.  After
-a restore, its correct continuation is refused by `expect_task` ("restored for
+a restore, its correct continuation was refused by `expect_task` ("restored for
 a different task"), since a None boundary is not a dict naming the task, while
-`drive` itself would start a None boundary from the seed.  The rollout can then
-never continue.  Strict xfail: it fails as soon as the environment accepts it,
-so whoever fixes it drops the mark.
+`drive` itself starts a None boundary from the seed: the rollout could never
+continue.
 """
 
 from __future__ import annotations
@@ -17,14 +15,12 @@ import asyncio
 import pytest
 
 from participants.environment import expect_task
-from ray_ckpt.errors import InvalidRequest
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.steps import EpisodeSteps
 
 TASK = {"task_id": "t", "seed": 1, "steps": 1}
 
 
-@pytest.mark.xfail(strict=True, raises=InvalidRequest, reason="a None boundary refused")
 async def test_an_episode_captured_before_its_first_boundary_continues() -> None:
     old, episode, release = EpisodeSteps(), EpisodeId("r"), asyncio.Event()
 

@@ -52,19 +52,7 @@ from tests.unit.sequences_harness import (
     uninterrupted,
 )
 
-# Seeds whose failure is a known product bug outside this test's files (see the
-# report of the sequence test); `--seeds N` still runs them.
-KNOWN_FAILING: frozenset[int] = frozenset(
-    {0, 4, 16, 23, 27, 70, 77, 81, 135, 136, 157, 159, 168, 170, 198}
-)
-CI_SEEDS = [s for s in range(215) if s not in KNOWN_FAILING]  # 200 seeds
-# That bug (participants/environment.py `expect_task`): an episode captured
-# before its first boundary is exported with boundary None, and its correct
-# continuation is refused as "restored for a different task".  Whether a
-# checkpoint lands there is timing, so a CI seed can still hit it now and then:
-# in the CI sample (only) a failure whose cause is exactly that refusal is an
-# xfail naming the bug, never a pass.  `--seeds N` fails on it.
-KNOWN_BUG = "the episode was restored for a different task"
+CI_SEEDS = list(range(200))
 THIS = "tests/unit/test_sequences_random.py"
 
 
@@ -79,13 +67,6 @@ def replay_command(seed: int, config: pytest.Config) -> str:
     n = config.getoption("--seeds", default=None)
     extra = f" --seeds {n}" if n and seed not in CI_SEEDS else ""
     return f".venv/bin/python -m pytest '{THIS}::test_random_sequence[seed{seed}]'{extra}"
-
-
-def known_bug(run: Sequence, config: pytest.Config) -> bool:
-    """The driver's own, correct continuation was refused by the known bug."""
-    if config.getoption("--seeds", default=None):
-        return False
-    return any(KNOWN_BUG in detail for detail in run.driver.refused.values())
 
 
 def final_outcomes(base: Run) -> dict[str, Outcome]:
@@ -106,9 +87,6 @@ async def test_random_sequence(seed: int, tmp_path: Path, request: pytest.Fixtur
         await check_seed(scenario, tmp_path, seeded)
     except Exception as exc:  # an assertion, a timeout, a typed control error
         run = seeded[0] if seeded else None
-        refused = "('error', 'invalid_request')" in str(exc)
-        if run is not None and refused and known_bug(run, request.config):
-            pytest.xfail(f"seed {seed}: known environment bug ({KNOWN_BUG!r}): {exc}")
         actions = "\n  ".join(run.log) if run is not None else "(none)"
         raise AssertionError(
             f"random sequence seed {seed} failed: {exc!r}\n"
