@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from participants.common import ServerBase, guarded, json_object, want_int, want_str
-from participants.environment import drive, environment_participant, expect_task
+from participants.environment import drive, environment_participant, expect_task, first_boundary
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
 from ray_ckpt.errors import CheckpointError, InvalidRequest
 from ray_ckpt.identity import EpisodeId, rollout_path
@@ -92,6 +92,7 @@ class EnvironmentServer(ServerBase):
         ep = self.steps.begin(
             episode,
             deadline_s=self.episode_timeout_s if deadline_s is None else deadline_s,
+            boundary=first_boundary(task),
             expect=expect_task(task),
         )
         reply: dict[str, Any] = {

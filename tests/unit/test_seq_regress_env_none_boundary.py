@@ -14,7 +14,8 @@ import asyncio
 
 import pytest
 
-from participants.environment import expect_task
+from participants.environment import expect_task, first_boundary
+from ray_ckpt.errors import InvalidRequest
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.steps import EpisodeSteps
 
@@ -42,3 +43,31 @@ async def test_an_episode_captured_before_its_first_boundary_continues() -> None
     # The right task continues (from the seed step, as `drive` does for None).
     ep = fresh.begin(episode.next(), expect=expect_task(TASK))
     assert ep.claim() is None
+
+
+async def test_a_capture_during_the_seed_step_still_names_its_task() -> None:
+    """The environment begins at `first_boundary`, so a capture taken while the
+    seed step runs refuses another task and continues the right one."""
+    old, episode, release = EpisodeSteps(), EpisodeId("r"), asyncio.Event()
+
+    async def run() -> None:
+        begun = old.begin(episode, boundary=first_boundary(TASK), expect=expect_task(TASK))
+        async with begun as ep, ep.step("replay"):
+            await release.wait()
+
+    task = asyncio.ensure_future(run())
+    await asyncio.sleep(0.01)
+    old.close_admission()
+    records = old.export([episode])
+    assert [r.state["boundary"] for r in records] == [first_boundary(TASK)]
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+    fresh = EpisodeSteps()
+    fresh.install(records)
+    other = {**TASK, "seed": 2}
+    with pytest.raises(InvalidRequest, match="different task"):
+        fresh.begin(episode.next(), expect=expect_task(other))
+    ep = fresh.begin(episode.next(), expect=expect_task(TASK))
+    assert ep.claim() == {"next": "seed", "task_digest": first_boundary(TASK)["task_digest"]}
