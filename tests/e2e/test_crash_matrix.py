@@ -95,6 +95,9 @@ MODES = ("wait", "replay")
 # checkpoint lapses in seconds (a lease runs to the call's deadline + grace).
 LEASE_S = 1.0
 PREPARE_S, COMMIT_S, RESTORE_S = 2.0, 3.0, 3.0
+# An open checkpoint's renewer extends every lease to now + resume_s: keep it
+# short too, or a coordinator dead after a commit leaves leases of ~30 s.
+RESUME_S = 2.0
 # The host whose write/read stalls when the coordinator is the target.
 STALLED_FOR_COORDINATOR = "model"
 # A stalled host waits for the cell's gate file at most this long (a cell that
@@ -251,7 +254,9 @@ def coordinator(e2e: E2E, target: str) -> CoordinatorHandle:
     """The cell's coordinator (the same name and journal for a successor)."""
     if target != "coordinator":
         return e2e.coordinator()
-    return e2e.coordinator(prepare_s=PREPARE_S, commit_s=COMMIT_S, restore_s=RESTORE_S)
+    return e2e.coordinator(
+        prepare_s=PREPARE_S, commit_s=COMMIT_S, restore_s=RESTORE_S, resume_s=RESUME_S
+    )
 
 
 def cell_config(e2e: E2E, kill: str, target: str, mode: str) -> FleetConfig:
@@ -490,7 +495,7 @@ async def lapse_and_succeed(cell: Cell, fleet: Fleet, killed: float) -> str | No
     )
     lapsed_s = time.monotonic() - killed
     # Within the lease (the call's deadline + grace), plus slack for a loaded machine.
-    assert lapsed_s < max(PREPARE_S, COMMIT_S, RESTORE_S) + LEASE_S + 10, lapsed_s
+    assert lapsed_s < max(PREPARE_S, COMMIT_S, RESTORE_S, RESUME_S) + LEASE_S + 10, lapsed_s
 
     async def successor() -> tuple[CoordinatorHandle, str | None] | None:
         handle = coordinator(cell.e2e, "coordinator")
