@@ -18,8 +18,9 @@ same scenario:
   while that participant's admission is closed;
 - the model's collector (`PolicyModelParticipant.collect`) gets each
   succeeded rollout's ledger exactly once from the attempts the controller
-  kept, and every ledger it gets (per attempt, at most once) equals the
-  uninterrupted run's;
+  kept (and at most once from each line of attempts it retired), and
+  every ledger it gets (per attempt, at most once) equals the uninterrupted
+  run's;
 - every committed checkpoint verifies; the crashed ones were restored on the
   way, and the last resumed one restores into a fresh fleet;
 - after the controller retires and forgets everything, every server is idle
@@ -31,7 +32,9 @@ runs seeds 0..N-1; a failing seed prints its replay command.
 
 from __future__ import annotations
 
+import bisect
 import random
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
@@ -124,17 +127,25 @@ async def check_seed(scenario: Scenario, tmp_path: Path, seeded: list[Sequence])
                 ]
                 assert got == [expected[rollout]], (rollout, got, expected[rollout])
             # The collector gets each rollout's trajectory once from the attempts
-            # the controller kept, equal to the uninterrupted run's; an attempt the
-            # controller retired after its close may have handed its own off too.
-            kept: dict[str, int] = {}
+            # the controller kept, equal to the uninterrupted run's.  A retire of
+            # attempt k discards k and every earlier attempt since the previous
+            # retire (`retire_scope`): that line may have handed its trajectory
+            # off once too (an attempt closed, so the model took its trajectory,
+            # while a checkpoint held its outcome; a crash continued it and the
+            # controller retired the continuation: seed 195), never twice.
+            cuts: dict[str, list[int]] = defaultdict(list)
+            for rollout, attempt in sorted(run.retired):
+                cuts[rollout].append(attempt)
+            handoffs: Counter[tuple[str, int]] = Counter()
             for episode, handed in gym.collected.items():
                 rollout = episode.rollout_id
                 assert expected[rollout][0] == "result", (episode, expected[rollout])
                 want = base.collected[EpisodeId(rollout, 0)]
                 assert handed == want, (episode, handed, want)
-                if (rollout, episode.attempt) not in run.retired:
-                    kept[rollout] = kept.get(rollout, 0) + 1
+                handoffs[rollout, bisect.bisect_left(cuts[rollout], episode.attempt)] += 1
+            kept = {r: n for (r, line), n in handoffs.items() if line == len(cuts[r])}
             assert kept == dict.fromkeys(succeeded, 1), (kept, sorted(succeeded))
+            assert max(handoffs.values(), default=0) <= 1, handoffs
             for where in run.checkpoints:
                 report = verify_checkpoint(where)
                 assert report.ok, (where, report.errors)
