@@ -1,0 +1,98 @@
+"""The byte store under a checkpoint location: a local directory or an object-store prefix.
+
+Everything that reads or writes a checkpoint (participant records and
+manifests, the Gym manifest, `LATEST`, listing and garbage collection) goes
+through a `Blobs`: named byte objects under one root, keys relative to it with
+`/` between parts.  The guarantees the checkpoint format needs are stated
+here once, and each backend says how it keeps them:
+
+- `create` publishes a small object only if its key is free, atomically, and
+  reports what is there otherwise (a manifest is created, never replaced);
+- `upload` streams a large object that becomes visible whole or not at all,
+  only when the block exits cleanly (records files);
+- `replace` atomically swaps a small pointer object (`LATEST`);
+- a `read`/`stream` of a key returns exactly the bytes one writer published.
+
+This module holds the protocol and the location parser; the backends live
+beside it.  Keys never start with `/` and never hold `..` (`check_key`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import msgspec
+
+from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest
+
+
+class BlobMissing(InvalidCheckpointState):
+    """The key holds nothing (for a manifest: not committed)."""
+
+
+class BlobInfo(msgspec.Struct, frozen=True):
+    key: str
+    size: int
+    modified: float  # seconds since the epoch
+
+
+class Upload(Protocol):
+    def write(self, data: bytes | bytearray | memoryview) -> None: ...
+
+
+class Blobs(Protocol):
+    """One checkpoint root.  Synchronous: callers run it in a thread."""
+
+    @property
+    def url(self) -> str:
+        """The location as the user named it, for messages (never credentials)."""
+        ...
+
+    def read(self, key: str) -> bytes:
+        """The whole object; `BlobMissing` if absent."""
+        ...
+
+    def stream(self, key: str) -> Iterator[bytes]:
+        """The object in chunks, for a streaming verify; `BlobMissing` if absent."""
+        ...
+
+    def create(self, key: str, data: bytes) -> bytes | None:
+        """Publish `data` at `key` unless taken: None if this call published,
+        else the bytes already there (the caller decides if they are equal)."""
+        ...
+
+    def replace(self, key: str, data: bytes) -> None:
+        """Atomically set a small object (readers see the old or the new)."""
+        ...
+
+    def upload(self, key: str) -> contextlib.AbstractContextManager[Upload]:
+        """Stream a new object: visible whole at `key` on a clean exit, never
+        partly; on an exception nothing is published.  A taken key raises
+        `InvalidCheckpointState`."""
+        ...
+
+    def list(self, prefix: str = "") -> list[BlobInfo]:
+        """Every object under `prefix` (recursive), sorted by key."""
+        ...
+
+    def delete(self, keys: Sequence[str]) -> None:
+        """Delete in batches; keys already gone are fine."""
+        ...
+
+    def exists(self, key: str) -> bool: ...
+
+
+def check_key(key: str) -> str:
+    parts = key.split("/")
+    if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise InvalidCheckpointState(f"bad storage key {key!r}")
+    return key
+
+
+SCHEMES = ("file", "s3", "gs")
+
+
+def refuse(location: str, why: str) -> InvalidRequest:
+    return InvalidRequest(f"checkpoint location {location!r} {why}")
