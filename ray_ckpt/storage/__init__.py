@@ -1,5 +1,6 @@
 """Checkpoint storage: records files, participant manifests, the Gym manifest."""
 
+from ray_ckpt.storage.blobs import BlobInfo, BlobMissing, Blobs, is_temp
 from ray_ckpt.storage.durable import WriteStop
 from ray_ckpt.storage.gym_manifest import (
     CheckpointReport,
@@ -10,6 +11,8 @@ from ray_ckpt.storage.gym_manifest import (
     verify_checkpoint,
     write_gym_manifest,
 )
+from ray_ckpt.storage.local_blobs import LocalBlobs
+from ray_ckpt.storage.locations import check_location, open_location
 from ray_ckpt.storage.participant_store import (
     ParticipantManifest,
     load_manifest,
@@ -21,13 +24,20 @@ from ray_ckpt.storage.records_format import FORMAT
 
 __all__ = [
     "FORMAT",
+    "BlobInfo",
+    "BlobMissing",
+    "Blobs",
     "CheckpointReport",
     "GymEntry",
     "GymManifest",
+    "LocalBlobs",
     "ParticipantCheck",
     "ParticipantManifest",
     "WriteStop",
+    "check_location",
+    "is_temp",
     "load_manifest",
+    "open_location",
     "participant_dir",
     "read_gym_manifest",
     "read_participant",

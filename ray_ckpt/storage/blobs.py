@@ -20,6 +20,8 @@ beside it.  Keys never start with `/` and never hold `..` (`check_key`).
 from __future__ import annotations
 
 import contextlib
+import re
+import uuid
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
@@ -74,7 +76,8 @@ class Blobs(Protocol):
         ...
 
     def list(self, prefix: str = "") -> list[BlobInfo]:
-        """Every object under `prefix` (recursive), sorted by key."""
+        """Every object under `prefix` (recursive), sorted by key.  The prefix
+        names a folder: "a" and "a/" both mean the keys "a/...", never "ab"."""
         ...
 
     def delete(self, keys: Sequence[str]) -> None:
@@ -89,6 +92,24 @@ def check_key(key: str) -> str:
     if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
         raise InvalidCheckpointState(f"bad storage key {key!r}")
     return key
+
+
+# A writer's temp object: `.<name>.<32 hex>.tmp` beside the final name.  A
+# crash can leave one behind; garbage collection recognises it by name.
+_TEMP_RE = re.compile(r"\..+\.[0-9a-f]{32}\.tmp")
+
+
+def temp_key(key: str) -> str:
+    """A fresh temp key beside `key`: unique per call, so no writer (on this
+    host or another sharing the store) ever reuses or removes another's."""
+    parent, _, name = check_key(key).rpartition("/")
+    tmp = f".{name}.{uuid.uuid4().hex}.tmp"
+    return f"{parent}/{tmp}" if parent else tmp
+
+
+def is_temp(key: str) -> bool:
+    """True for a key `temp_key` made: a write in flight or left by a crash."""
+    return _TEMP_RE.fullmatch(key.rpartition("/")[2]) is not None
 
 
 SCHEMES = ("file", "s3", "gs")

@@ -1,0 +1,90 @@
+"""Parse a checkpoint location into its `Blobs`, and probe it before use.
+
+A location is an absolute POSIX path, a `file://` URI, or an object-store URI
+(`s3://bucket/prefix`, `gs://bucket/prefix`).  Anything else is refused with
+`InvalidRequest` naming it: a relative path would land in each actor's own
+working directory (so `s3:/bucket/x`, one slash short, is refused too), and an
+unknown scheme would be silently misread as a path.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import urllib.parse
+
+from ray_ckpt.storage import durable
+from ray_ckpt.storage.blobs import SCHEMES, Blobs, refuse, temp_key
+from ray_ckpt.storage.local_blobs import LocalBlobs
+from ray_ckpt.storage.location import directory_errors
+
+
+def open_location(location: str | os.PathLike[str]) -> Blobs:
+    """The `Blobs` for `location`; `InvalidRequest` if it cannot name one.
+
+    Opening touches nothing: a directory need not exist yet, a bucket is not
+    contacted.  `check_location` probes.
+    """
+    text = os.fspath(location)
+    if not isinstance(text, str):
+        raise refuse(repr(text), "is not a string")
+    if not text:
+        raise refuse(text, "is empty")
+    if "\0" in text:
+        raise refuse(text, "holds a NUL byte")
+    if "://" not in text:
+        if not text.startswith("/"):
+            raise refuse(text, "is a relative path; give an absolute path or a URI")
+        return LocalBlobs(pathlib.Path(text), text)
+    scheme = text.partition("://")[0].lower()
+    if scheme not in SCHEMES:
+        raise refuse(text, f"has an unknown scheme {scheme!r} (known: {', '.join(SCHEMES)})")
+    if scheme == "file":
+        return LocalBlobs(_file_path(text), text)
+    return _object_store(text)
+
+
+def _file_path(text: str) -> pathlib.Path:
+    parts = urllib.parse.urlsplit(text)
+    if parts.netloc not in ("", "localhost"):
+        raise refuse(text, f"names host {parts.netloc!r}; a file:// URI must be local")
+    if parts.query or parts.fragment:
+        raise refuse(text, "holds a query or fragment")
+    path = urllib.parse.unquote(parts.path)
+    if not path.startswith("/"):
+        raise refuse(text, "has no absolute path")
+    return pathlib.Path(path)
+
+
+def _object_store(text: str) -> Blobs:
+    raise refuse(text, "needs the object-store backend, which is not installed")
+
+
+def check_location(location: str | os.PathLike[str], *, for_write: bool) -> Blobs:
+    """Open `location` and prove it usable now; the coordinator calls this
+    before it pauses anyone, so a typo costs nothing.
+
+    For a write, the root is created if missing and a probe object (a temp
+    key, so a crash mid-probe leaves only collectable garbage) is created and
+    deleted.  For a read, the root must exist.  An unusable location raises
+    `InvalidRequest` naming it; a transient failure `ParticipantUnavailable`.
+    """
+    blobs = open_location(location)
+    if isinstance(blobs, LocalBlobs):
+        _check_local(blobs, for_write=for_write)
+    return blobs
+
+
+def _check_local(blobs: LocalBlobs, *, for_write: bool) -> None:
+    if for_write:
+        with directory_errors(blobs.url, "written"):
+            durable.ensure_dir(blobs.root)
+            probe = temp_key("probe")
+            if blobs.create(probe, b"") is not None:
+                raise refuse(blobs.url, "cannot be written: probe name taken")
+            blobs.delete([probe])
+        return
+    with directory_errors(blobs.url, "read"):
+        if not blobs.root.is_dir():
+            raise refuse(blobs.url, "cannot be read: it is not an existing directory")
+        os.listdir(blobs.root)
