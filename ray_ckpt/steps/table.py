@@ -5,31 +5,35 @@ the two, every episode must be at a boundary (parked, or inside a replay step)
 for the checkpoint to be ready.  Exported records carry the boundary and the
 index of the next step; a restore installs them under attempt + 1 where the
 replacement attempt claims its boundary exactly once.
+
+This module is the live-episode table and its bookkeeping (admission, begin,
+state counts, free, notify); the park-point rules are in `parking`, the
+restored entries and the closed window's losses in `restored`, and retire's
+task stopping in `retire`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
-from ray_ckpt.control.retire_marks import retire_scope
 from ray_ckpt.control.wire import MAX_REPORTED_BLOCKERS, PrepareReport
 from ray_ckpt.errors import AdmissionClosed, InvalidPhase, InvalidRequest, StaleAttempt
 from ray_ckpt.identity import EpisodeId
+from ray_ckpt.steps import parking
 from ray_ckpt.steps.attempts import AttemptIndex
-from ray_ckpt.steps.episode import _UNSET, Episode, Restored, Step
-from ray_ckpt.steps.modes import BLOCKING, EpisodeState, StepMode
-from ray_ckpt.steps.persist import EpisodeNotHeld, build_report, export_records, stage_records
+from ray_ckpt.steps.episode import Episode, Step
+from ray_ckpt.steps.modes import BLOCKING, EpisodeState
+from ray_ckpt.steps.persist import build_report, export_records
+from ray_ckpt.steps.restored import RestoredEntries
+from ray_ckpt.steps.retire import retire_attempts
 from ray_ckpt.storage.record import Record
 
 log = logging.getLogger(__name__)
-
-_STEP_STATE = {StepMode.WAIT: EpisodeState.WAIT_STEP, StepMode.REPLAY: EpisodeState.REPLAY_STEP}
 
 
 class EpisodeSteps:
@@ -38,18 +42,13 @@ class EpisodeSteps:
     def __init__(self, *, clock: Clock = SYSTEM_CLOCK) -> None:
         self.clock = clock
         self._live: dict[EpisodeId, Episode] = {}
-        self._restored: dict[EpisodeId, Restored] = {}  # by the replacement attempt
         self._counts: Counter[EpisodeState] = Counter()
         self._attempts = AttemptIndex()  # live and restored, for supersession
+        self._restored = RestoredEntries(self._attempts)
         self._open = True
         self._opened = asyncio.Event()
         self._opened.set()
         self._served = False
-        # Episodes live at any moment of the current closed window; an
-        # episode named by a commit's scope that one of these no longer
-        # holds lost its capture, and the commit must say so.
-        self._served_closed: set[EpisodeId] = set()
-        self._retired_closed: set[EpisodeId] = set()
         self._notify: Callable[[], None] | None = None
 
     # --- controller side -------------------------------------------------------
@@ -64,8 +63,7 @@ class EpisodeSteps:
     def close_admission(self) -> None:
         """Idempotent.  Steps not yet started wait; replay steps stop the clock."""
         if self._open:
-            self._served_closed = set(self._live)
-            self._retired_closed = set()
+            self._restored.window_closed(self._live)
         self._open = False
         self._opened.clear()
         self._resync_pauses()
@@ -94,10 +92,10 @@ class EpisodeSteps:
 
     def restored_ids(self) -> list[EpisodeId]:
         """Restored episodes whose replacement has not begun, by that attempt."""
-        return sorted(eid for eid in self._restored if eid not in self._live)
+        return self._restored.waiting(self._live)
 
     def report(self, limit: int = MAX_REPORTED_BLOCKERS) -> PrepareReport:
-        waiting = sum(1 for eid in self._restored if eid not in self._live)
+        waiting = self._restored.waiting_count(self._live)
         return build_report(self._live.values(), self._counts, waiting, limit, self.clock.now())
 
     # --- handler side ----------------------------------------------------------
@@ -148,7 +146,7 @@ class EpisodeSteps:
         self._served = True
         self._live[episode_id] = ep
         if not self._open:
-            self._served_closed.add(episode_id)
+            self._restored.served(episode_id)
         if restored is None:  # a replacement shares its restored entry's slot
             self._attempts.add(episode_id)
         self._counts[ep.state] += 1
@@ -175,102 +173,19 @@ class EpisodeSteps:
         ep = self._live.get(episode_id)
         return ep.claim() if ep is not None else None
 
+    # The `StepOwner` hooks an episode calls; the park-point rules are in `parking`.
     async def _enter_step(self, ep: Episode, step: Step) -> None:
-        if ep.closed:
-            raise InvalidPhase(f"episode {ep.key} is closed")
-        if ep.current is not None:
-            raise InvalidRequest(f"episode {ep.key}: step {ep.current.name!r} is still open")
-        ep.current = step
-        try:
-            await self._park(ep)
-        except BaseException:
-            ep.current = None
-            if self._open or ep.retire_requested:
-                self._transition(ep, EpisodeState.RUNNING)
-            # else: interrupted while parked under a closed checkpoint; it is
-            # still at its boundary, and the episode's end parks again.
-            raise
-        ep.unrecorded_wait = None  # the episode reached this step's start
-        step.started = self.clock.now()
-        self._transition(ep, _STEP_STATE[step.mode])
+        await parking.enter_step(self, ep, step)
 
     async def _exit_step(self, ep: Episode, step: Step, *, error: BaseException | None) -> None:
-        ep.current = None
-        if ep.closed:
-            return
-        if error is not None:
-            # The step's effects are unknown: keep the boundary before it.
-            if isinstance(error, asyncio.CancelledError) and not ep.deadline_fired:
-                # A cancel that is not the episode's own deadline (shutdown, a
-                # dropped caller; a retire is let through by `_park` anyway)
-                # must end the task, so it never parks; but under a closed
-                # checkpoint the episode stays at its boundary, so a prepared
-                # participant does not turn unready on the way out.
-                ep.park_cancelled = True
-                self._transition(ep, EpisodeState.RUNNING if self._open else EpisodeState.PARKED)
-                return
-            # Any other failure (the deadline inside a wait step included) is
-            # an outcome: it waits here, parked at that boundary, until
-            # admission reopens, so a prepared participant stays ready and the
-            # caller never holds a failure for an episode a checkpoint also
-            # continues.
-            try:
-                await self._park(ep)
-            finally:
-                self._transition(ep, EpisodeState.RUNNING)
-            return
-        if step.recorded:
-            ep.unrecorded_wait = None
-            if step.mode is StepMode.REPLAY and not self._open and not ep.restart:
-                # The closed checkpoint counts this episode as parked before the
-                # step; the step's boundary takes effect only once it reopens.
-                ep._held = step._pending
-            else:
-                self._record(ep, step._pending, step.index + 1)
-        elif step.mode is StepMode.WAIT and not ep.restart:
-            # A wait step that recorded no boundary may still be followed by
-            # `ep.boundary(...)` outside it (misuse): the boundary before the
-            # step is then not safe to export.  Do not park here; the closed
-            # checkpoint keeps waiting for the next park point (the next step
-            # or the end), by when any boundary the step reached is recorded.
-            ep.unrecorded_wait = step.name
-            self._transition(ep, EpisodeState.RUNNING)
-            return
-        try:
-            # A step that records no boundary leaves the episode where it was.
-            await self._park(ep)
-        finally:
-            if ep._held is not _UNSET and self._open:
-                held, ep._held = ep._held, _UNSET
-                self._record(ep, held, step.index + 1)
-            self._transition(ep, EpisodeState.RUNNING)
+        await parking.exit_step(self, ep, step, error=error)
 
-    def _record(self, ep: Episode, boundary: Any, step_index: int) -> None:
-        ep._boundary = boundary
-        ep.step_index = step_index
-        self._moved(ep)
+    async def _park(self, ep: Episode) -> None:
+        await parking.park(self, ep)
 
     def _moved(self, ep: Episode) -> None:
         """The episode recorded a boundary of its own: its restored entry is spent."""
-        if ep.on_restored:
-            ep.on_restored = False
-            if self._restored.get(ep.id) is ep._restored:
-                del self._restored[ep.id]  # the live attempt keeps the attempt slot
-
-    async def _park(self, ep: Episode) -> None:
-        if ep.restart or ep.closed or ep.retire_requested or ep.park_cancelled or self._open:
-            return
-        self._transition(ep, EpisodeState.PARKED)
-        # A checkpoint that closes again before the episode wakes keeps it parked.
-        try:
-            while not self._open:
-                await self._opened.wait()
-        except asyncio.CancelledError:
-            # Cancelled while parked (shutdown, a dropped caller): stop parking,
-            # or the cancel would be swallowed by the next park point.  If
-            # the episode then ends, a commit naming it fails (`EpisodeNotHeld`).
-            ep.park_cancelled = True
-            raise
+        self._restored.spend(ep)
 
     def _mark_restart(self, ep: Episode) -> None:
         if not self._open:
@@ -300,47 +215,23 @@ class EpisodeSteps:
         if self._open:
             raise InvalidPhase("export needs admission closed")
         if scope is not None and require_held:
-            self._check_held(scope)
-        return export_records(self._live, self._restored, scope)
-
-    def _check_held(self, scope: Sequence[EpisodeId]) -> None:
-        for eid in scope:
-            if (
-                eid in self._served_closed
-                and eid not in self._live
-                and eid not in self._restored
-                and eid not in self._retired_closed
-            ):
-                raise EpisodeNotHeld(
-                    f"episode {eid.capture_key} was served during this checkpoint but is no "
-                    "longer held here: its capture is lost"
-                )
+            self._restored.check_held(scope, self._live)
+        return export_records(self._live, self._restored.entries, scope)
 
     def install(self, records: Sequence[Record]) -> list[EpisodeId]:
         """Validate every record, then install each under attempt + 1."""
         if self._served or self._live:
             raise InvalidPhase("install needs an EpisodeSteps that has served no episode")
-        staged = stage_records(records, {eid.rollout_id for eid in self._restored})
-        self._restored.update(staged)
-        for eid in staged:
-            self._attempts.add(eid)
+        staged = self._restored.install(records)
         self._changed()
-        return list(staged)
+        return staged
 
     def delete_restored(self, keep: Sequence[EpisodeId]) -> list[str]:
         """Free restored-but-unclaimed state not named in `keep`."""
-        kept = set(keep)
-        freed = [eid for eid in self._restored if eid not in kept]
-        for eid in freed:
-            del self._restored[eid]
-            ep = self._live.get(eid)
-            if ep is not None:
-                ep.on_restored = False  # a live replacement keeps the attempt slot
-            else:
-                self._attempts.remove(eid)
+        freed = self._restored.delete(keep, self._live)
         if freed:
             self._changed()
-        return sorted(eid.capture_key for eid in freed)
+        return freed
 
     # --- retire ----------------------------------------------------------------
 
@@ -349,51 +240,8 @@ class EpisodeSteps:
         return self._counts[EpisodeState.RETIRING]
 
     async def retire(self, episode_ids: Sequence[EpisodeId]) -> list[str]:
-        """Stop every attempt <= the given one of each rollout, wait, free.
-
-        Each attempt's task is cancelled once (a second cancel would interrupt
-        its cleanup) and awaited, so its `finally:` blocks have run when this
-        returns.  If this call is itself cancelled (a control deadline), the
-        attempts keep stopping and stay blockers in state `retiring` until
-        they do; a later retire waits for them again.  Returns capture keys.
-        """
-        covered = retire_scope(episode_ids)
-
-        keys: set[str] = set()
-        for eid in [eid for eid in self._restored if covered(eid)]:
-            del self._restored[eid]
-            live = self._live.get(eid)
-            if live is not None:
-                live.on_restored = False  # freed with its live attempt below
-            else:
-                self._attempts.remove(eid)
-            keys.add(eid.capture_key)
-        me = asyncio.current_task()
-        stopping: set[asyncio.Task[Any]] = set()
-        for ep in [ep for eid, ep in self._live.items() if covered(eid)]:
-            keys.add(ep.key)
-            if not self._open:
-                self._retired_closed.add(ep.id)
-            task = ep.task
-            if task is None or task.done() or task is me:
-                self._free(ep, completed=False)
-                continue
-            if not ep.retire_requested:
-                ep.retire_requested = True
-                self._transition(ep, EpisodeState.RETIRING)
-                # Freed when the task ends, even if this retire is cancelled first.
-                task.add_done_callback(functools.partial(self._stopped, ep))
-                task.cancel()
-            stopping.add(task)
-        if keys:
-            self._changed()
-        if stopping:
-            # asyncio.wait, not gather: cancelling us must not cancel them again.
-            await asyncio.wait(stopping)
-        return sorted(keys)
-
-    def _stopped(self, ep: Episode, _task: asyncio.Task[Any]) -> None:
-        self._free(ep, completed=False)
+        """Stop every covered attempt and wait for it (`ray_ckpt.steps.retire`)."""
+        return await retire_attempts(self, episode_ids)
 
     # --- bookkeeping -----------------------------------------------------------
 
@@ -429,7 +277,7 @@ class EpisodeSteps:
             del self._live[ep.id]
             self._counts[ep.state] -= 1
             restored = ep._restored
-            if ep.on_restored and restored is not None and self._restored.get(ep.id) is restored:
+            if restored is not None and self._restored.holds(ep):
                 # Refused or failed before a boundary of its own: the restored
                 # entry stays installed, fenced and claimable.
                 restored.claimed = False
