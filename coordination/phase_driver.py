@@ -11,10 +11,12 @@ Every failure path resumes whatever a checkpoint touched — participants in
 reverse order, continuing past failures, then the paused controller actors —
 and raises `CoordinationFailed` naming each participant and why.
 
-The driver holds membership, the journal and the prepare/commit/resume
-phases; it delegates pausing the trainer/assembler to `ControllerPauses`
-(`coordination.pause`) and keeping leases alive to `LeaseRenewer`
-(`coordination.renewer`).
+The driver holds membership, the journal, the group calls and the resume
+and abort path every operation shares; the forward steps of a checkpoint
+(prepare, commit and its Gym manifest) are in `coordination.checkpoint`, as
+restore's are in `coordination.restore`.  It delegates pausing the
+trainer/assembler to `ControllerPauses` (`coordination.pause`) and keeping
+leases alive to `LeaseRenewer` (`coordination.renewer`).
 """
 
 from __future__ import annotations
@@ -26,38 +28,21 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
-from coordination.calls import coordination_failed, episode_body, new_id, reply_timeout
+from coordination import checkpoint
+from coordination.calls import reply_timeout
 from coordination.fanout import Outcome, failure, fan_out
 from coordination.hosts import Host, PauseTarget
 from coordination.journal import Journal, JournalEntry
 from coordination.manifests import ManifestWriter, write_gym_manifest_from_replies
-from coordination.order import Member, commit_groups, prepare_groups, resume_groups
+from coordination.order import Member, resume_groups
 from coordination.pause import ControllerPauses
 from coordination.renewer import LeaseRenewer
-from coordination.replies import as_mapping, int_or_none, report_of, string_list
-from coordination.results import (
-    CommitResult,
-    PrepareResult,
-    ResumeResult,
-    Timeouts,
-)
+from coordination.results import CommitResult, PrepareResult, ResumeResult, Timeouts
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
-from ray_ckpt.errors import (
-    CheckpointConflict,
-    CheckpointError,
-    DeadlineExceeded,
-    InvalidRequest,
-    RestartInScope,
-)
+from ray_ckpt.errors import CheckpointError
 from ray_ckpt.identity import EpisodeId
 
 log = logging.getLogger(__name__)
-
-
-def manifest_bytes(manifest: Any) -> int:
-    """Bytes a participant manifest says it holds (0 if it does not say:
-    NeMo Gym's manifests have no `bytes`; the Gym manifest measures them)."""
-    return int_or_none(as_mapping(manifest).get("bytes")) or 0
 
 
 class PhaseDriver:
@@ -175,52 +160,10 @@ class PhaseDriver:
         self._prune_gone(out)
         return out
 
-    # --- checkpoint: prepare ---------------------------------------------------
+    # --- checkpoint: prepare and commit (`coordination.checkpoint`) -------------
     async def _prepare(self, deadline_s: float | None = None) -> PrepareResult:
-        if self.open is not None:
-            raise CheckpointConflict(
-                f"checkpoint {self.open.checkpoint_id} is open ({self.open.phase}); resume it first"
-            )
-        if not self.hosts:
-            raise InvalidRequest("no participants are registered")
-        start = time.monotonic()
-        cid = new_id("ckpt")
-        deadline_s = self.timeouts.prepare_s if deadline_s is None else deadline_s
-        deadline_ts = self.clock.now() + deadline_s
-        self.freeze(self.hosts)
-        members = [h.member for h in self.frozen.values()]
-        # From here on whatever raises (a participant's reply, a pause target, a
-        # bug of ours, the journal) aborts: every member is resumed before the
-        # error leaves, and nothing stays open.
-        async with self._aborting(cid):
-            self._record(JournalEntry(checkpoint_id=cid, phase="preparing", op="checkpoint"))
-            self.renewer.start(cid)
-            await self.pauses.pause(cid, self.pauses.prepare_roles(), deadline_s)
-            body = {"checkpoint_id": cid, "deadline_ts": deadline_ts}
-            timings: dict[str, float] = {}
-            restarts: dict[str, list[str]] = {}
-            for group in prepare_groups(members):
-                out = await self._group(group, "prepare", body, deadline_ts)
-                timings.update(out.timings)
-                failures = {k: failure(e) for k, e in out.errors.items()}
-                for key, reply in out.replies.items():
-                    report = report_of(reply)
-                    if string_list(report.get("restarts")):
-                        restarts[key] = string_list(report.get("restarts"))
-                    if reply.get("phase") != "prepared":
-                        err = DeadlineExceeded(
-                            f"{key} is not prepared at the deadline (phase {reply.get('phase')})"
-                        )
-                        failures[key] = failure(err, report)
-                if failures:
-                    raise coordination_failed("prepare", cid, failures)
-            self._record(JournalEntry(checkpoint_id=cid, phase="prepared", op="checkpoint"))
-        self._prepare_restarts = {k for keys in restarts.values() for k in keys}
-        return PrepareResult(
-            checkpoint_id=cid, seconds=time.monotonic() - start, timings=timings, restarts=restarts
-        )
+        return await checkpoint.prepare(self, deadline_s)
 
-    # --- checkpoint: commit ----------------------------------------------------
     async def _commit(
         self,
         checkpoint_dir: str,
@@ -230,98 +173,9 @@ class PhaseDriver:
         strict: bool = False,
         deadline_s: float | None = None,
     ) -> CommitResult:
-        entry = self.open
-        if (
-            entry is None
-            or entry.op != "checkpoint"
-            or entry.phase not in ("prepared", "committing")
-        ):
-            raise CheckpointConflict("no prepared checkpoint is open: prepare first")
-        if strict and stop:
-            # A stopping commit frees what its exported episodes hold before the
-            # strict check can refuse it; the refused checkpoint resumes them.
-            raise InvalidRequest("strict and stop cannot be combined")
-        cid = entry.checkpoint_id
-        start = time.monotonic()
-        deadline_s = self.timeouts.commit_s if deadline_s is None else deadline_s
-        deadline_ts = self.clock.now() + deadline_s
-        async with self._aborting(cid):
-            self._record(
-                JournalEntry(
-                    checkpoint_id=cid,
-                    phase="committing",
-                    op="checkpoint",
-                    checkpoint_dir=checkpoint_dir,
-                )
-            )
-            body: dict[str, Any] = {
-                "checkpoint_id": cid,
-                "deadline_ts": deadline_ts,
-                "checkpoint_dir": checkpoint_dir,
-                "episode_ids": None if scope is None else [episode_body(e) for e in scope],
-                "stop": stop,
-            }
-            barrier = self.pauses.commit_roles()
-            out = Outcome()
-            try:
-                await self.pauses.pause(cid, barrier, deadline_s)
-                for group in commit_groups(self._members()):
-                    out.merge(await self._group(group, "commit", body, deadline_ts))
-            finally:
-                await self.pauses.unpause(cid, barrier)
-            if out.errors:
-                raise coordination_failed(
-                    "commit", cid, {k: failure(e) for k, e in out.errors.items()}
-                )
-            exported = {k: string_list(r.get("episode_ids")) for k, r in out.replies.items()}
-            continued, restart = self._continued(scope, exported)
-            if strict and restart:
-                # Before the Gym manifest: the records written stay unpublished.
-                raise RestartInScope(
-                    f"commit of {cid} refused (strict): no participant holds state for "
-                    f"{restart}; they would start over"
-                )
-            manifests = [
-                dict(as_mapping(r.get("manifest"))) for _, r in sorted(out.replies.items())
-            ]
-            m_start = time.monotonic()
-            try:
-                # Last of all: the Gym manifest is the commit point of the whole checkpoint.
-                await asyncio.to_thread(self.manifest_writer, checkpoint_dir, cid, manifests)
-            except Exception as exc:
-                err = exc if isinstance(exc, CheckpointError) else CheckpointError(repr(exc))
-                raise coordination_failed("commit", cid, {"gym-manifest": failure(err)}) from None
-            manifest_s = time.monotonic() - m_start
-            self._record(
-                JournalEntry(
-                    checkpoint_id=cid,
-                    phase="committed",
-                    op="checkpoint",
-                    checkpoint_dir=checkpoint_dir,
-                )
-            )
-        return CommitResult(
-            checkpoint_id=cid,
-            checkpoint_dir=checkpoint_dir,
-            seconds=time.monotonic() - start,
-            manifest_s=manifest_s,
-            timings=out.timings,
-            bytes={k: manifest_bytes(r.get("manifest")) for k, r in out.replies.items()},
-            episode_ids=exported,
-            continued=continued,
-            restart=restart,
+        return await checkpoint.commit(
+            self, checkpoint_dir, scope, stop=stop, strict=strict, deadline_s=deadline_s
         )
-
-    def _continued(
-        self, scope: Sequence[EpisodeId] | None, exported: Mapping[str, Sequence[str]]
-    ) -> tuple[list[str], list[str]]:
-        """(continued, restart) capture keys: an episode continues if some
-        participant exported state for it, else it starts over.  Without a
-        scope, the episodes are all that were exported plus the restart-only
-        ones the prepare reported."""
-        held = {k for keys in exported.values() for k in keys}
-        wanted = held | self._prepare_restarts if scope is None else {e.capture_key for e in scope}
-        return sorted(wanted & held), sorted(wanted - held)
 
     # --- resume / abort --------------------------------------------------------
     async def _resume(self, deadline_s: float | None = None) -> ResumeResult:

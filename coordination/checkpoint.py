@@ -1,0 +1,188 @@
+"""Prepare and commit of a checkpoint across the fleet, and what the commit answers.
+
+`prepare` opens a checkpoint (freezing its members, journalling, pausing the
+prepare-time controllers) and asks each group to close admission and reach
+its boundaries; `commit` has every member write its records, then writes the
+Gym manifest, the commit point of the whole checkpoint, last of all.
+
+Both work on a `PhaseDriver` the caller already holds the lock of, as
+`coordination.restore` does: the driver keeps membership, the journal, the
+group calls and the failure path (`_aborting` resumes everyone), which every
+operation shares; these two are the forward steps only a checkpoint takes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from coordination.calls import coordination_failed, episode_body, new_id
+from coordination.fanout import Outcome, failure
+from coordination.journal import JournalEntry
+from coordination.order import commit_groups, prepare_groups
+from coordination.replies import as_mapping, int_or_none, report_of, string_list
+from coordination.results import CommitResult, PrepareResult
+from ray_ckpt.errors import (
+    CheckpointConflict,
+    CheckpointError,
+    DeadlineExceeded,
+    InvalidRequest,
+    RestartInScope,
+)
+from ray_ckpt.identity import EpisodeId
+
+if TYPE_CHECKING:
+    from coordination.phase_driver import PhaseDriver
+
+
+def manifest_bytes(manifest: Any) -> int:
+    """Bytes a participant manifest says it holds (0 if it does not say:
+    NeMo Gym's manifests have no `bytes`; the Gym manifest measures them)."""
+    return int_or_none(as_mapping(manifest).get("bytes")) or 0
+
+
+async def prepare(driver: PhaseDriver, deadline_s: float | None = None) -> PrepareResult:
+    """Open a checkpoint and prepare every member, group by group (lock held)."""
+    if driver.open is not None:
+        raise CheckpointConflict(
+            f"checkpoint {driver.open.checkpoint_id} is open ({driver.open.phase}); resume it first"
+        )
+    if not driver.hosts:
+        raise InvalidRequest("no participants are registered")
+    start = time.monotonic()
+    cid = new_id("ckpt")
+    deadline_s = driver.timeouts.prepare_s if deadline_s is None else deadline_s
+    deadline_ts = driver.clock.now() + deadline_s
+    driver.freeze(driver.hosts)
+    members = [h.member for h in driver.frozen.values()]
+    # From here on whatever raises (a participant's reply, a pause target, a
+    # bug of ours, the journal) aborts: every member is resumed before the
+    # error leaves, and nothing stays open.
+    async with driver._aborting(cid):
+        driver._record(JournalEntry(checkpoint_id=cid, phase="preparing", op="checkpoint"))
+        driver.renewer.start(cid)
+        await driver.pauses.pause(cid, driver.pauses.prepare_roles(), deadline_s)
+        body = {"checkpoint_id": cid, "deadline_ts": deadline_ts}
+        timings: dict[str, float] = {}
+        restarts: dict[str, list[str]] = {}
+        for group in prepare_groups(members):
+            out = await driver._group(group, "prepare", body, deadline_ts)
+            timings.update(out.timings)
+            failures = {k: failure(e) for k, e in out.errors.items()}
+            for key, reply in out.replies.items():
+                report = report_of(reply)
+                if string_list(report.get("restarts")):
+                    restarts[key] = string_list(report.get("restarts"))
+                if reply.get("phase") != "prepared":
+                    err = DeadlineExceeded(
+                        f"{key} is not prepared at the deadline (phase {reply.get('phase')})"
+                    )
+                    failures[key] = failure(err, report)
+            if failures:
+                raise coordination_failed("prepare", cid, failures)
+        driver._record(JournalEntry(checkpoint_id=cid, phase="prepared", op="checkpoint"))
+    driver._prepare_restarts = {k for keys in restarts.values() for k in keys}
+    return PrepareResult(
+        checkpoint_id=cid, seconds=time.monotonic() - start, timings=timings, restarts=restarts
+    )
+
+
+async def commit(
+    driver: PhaseDriver,
+    checkpoint_dir: str,
+    scope: Sequence[EpisodeId] | None = None,
+    *,
+    stop: bool = False,
+    strict: bool = False,
+    deadline_s: float | None = None,
+) -> CommitResult:
+    """Commit the prepared checkpoint everywhere, then the Gym manifest (lock held)."""
+    entry = driver.open
+    if entry is None or entry.op != "checkpoint" or entry.phase not in ("prepared", "committing"):
+        raise CheckpointConflict("no prepared checkpoint is open: prepare first")
+    if strict and stop:
+        # A stopping commit frees what its exported episodes hold before the
+        # strict check can refuse it; the refused checkpoint resumes them.
+        raise InvalidRequest("strict and stop cannot be combined")
+    cid = entry.checkpoint_id
+    start = time.monotonic()
+    deadline_s = driver.timeouts.commit_s if deadline_s is None else deadline_s
+    deadline_ts = driver.clock.now() + deadline_s
+    async with driver._aborting(cid):
+        driver._record(
+            JournalEntry(
+                checkpoint_id=cid,
+                phase="committing",
+                op="checkpoint",
+                checkpoint_dir=checkpoint_dir,
+            )
+        )
+        body: dict[str, Any] = {
+            "checkpoint_id": cid,
+            "deadline_ts": deadline_ts,
+            "checkpoint_dir": checkpoint_dir,
+            "episode_ids": None if scope is None else [episode_body(e) for e in scope],
+            "stop": stop,
+        }
+        barrier = driver.pauses.commit_roles()
+        out = Outcome()
+        try:
+            await driver.pauses.pause(cid, barrier, deadline_s)
+            for group in commit_groups(driver._members()):
+                out.merge(await driver._group(group, "commit", body, deadline_ts))
+        finally:
+            await driver.pauses.unpause(cid, barrier)
+        if out.errors:
+            raise coordination_failed("commit", cid, {k: failure(e) for k, e in out.errors.items()})
+        exported = {k: string_list(r.get("episode_ids")) for k, r in out.replies.items()}
+        continued, restart = split_continued(scope, exported, driver._prepare_restarts)
+        if strict and restart:
+            # Before the Gym manifest: the records written stay unpublished.
+            raise RestartInScope(
+                f"commit of {cid} refused (strict): no participant holds state for "
+                f"{restart}; they would start over"
+            )
+        manifests = [dict(as_mapping(r.get("manifest"))) for _, r in sorted(out.replies.items())]
+        m_start = time.monotonic()
+        try:
+            # Last of all: the Gym manifest is the commit point of the whole checkpoint.
+            await asyncio.to_thread(driver.manifest_writer, checkpoint_dir, cid, manifests)
+        except Exception as exc:
+            err = exc if isinstance(exc, CheckpointError) else CheckpointError(repr(exc))
+            raise coordination_failed("commit", cid, {"gym-manifest": failure(err)}) from None
+        manifest_s = time.monotonic() - m_start
+        driver._record(
+            JournalEntry(
+                checkpoint_id=cid,
+                phase="committed",
+                op="checkpoint",
+                checkpoint_dir=checkpoint_dir,
+            )
+        )
+    return CommitResult(
+        checkpoint_id=cid,
+        checkpoint_dir=checkpoint_dir,
+        seconds=time.monotonic() - start,
+        manifest_s=manifest_s,
+        timings=out.timings,
+        bytes={k: manifest_bytes(r.get("manifest")) for k, r in out.replies.items()},
+        episode_ids=exported,
+        continued=continued,
+        restart=restart,
+    )
+
+
+def split_continued(
+    scope: Sequence[EpisodeId] | None,
+    exported: Mapping[str, Sequence[str]],
+    prepare_restarts: set[str],
+) -> tuple[list[str], list[str]]:
+    """(continued, restart) capture keys: an episode continues if some
+    participant exported state for it, else it starts over.  Without a
+    scope, the episodes are all that were exported plus the restart-only
+    ones the prepare reported."""
+    held = {k for keys in exported.values() for k in keys}
+    wanted = held | prepare_restarts if scope is None else {e.capture_key for e in scope}
+    return sorted(wanted & held), sorted(wanted - held)
