@@ -1,0 +1,347 @@
+"""The checkpoints under a root: listing, the `LATEST` pointer, `latest`.
+
+A root holds one checkpoint per top-level name, ``<root>/<name>/``, and the
+Gym part of each lives under ``<name>/gym/`` (the trainer may keep its own
+files beside it; nothing here reads or deletes them).  After the Gym manifest,
+the coordinator replaces ``<root>/LATEST`` atomically to name the checkpoint
+it just completed; `LATEST` is a hint, never the commit point: a crash
+between the two leaves a complete checkpoint that `LATEST` does not name yet.
+
+Complete means a verifiable Gym manifest: it decodes, every participant
+manifest it lists is there with the digest it records, and each names a
+records object of the size listed.  Records are not re-hashed here (a listing
+must stay cheap on object storage); a restore verifies every byte.
+
+Everything goes through `Blobs`, so a root on disk and one in a bucket are
+listed the same way.  `needed_keys` is the single answer to "which keys must
+stay for this checkpoint to restore": the listing's "referenced by" column and
+garbage collection both use it, so a checkpoint that references another's
+files (incremental records) only has to extend that one function.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from ray_ckpt.errors import CheckpointError, InvalidCheckpointState, InvalidRequest
+from ray_ckpt.storage.blobs import BlobInfo, BlobMissing, Blobs, is_temp
+from ray_ckpt.storage.gym_manifest import GYM_MANIFEST_NAME, GymManifest
+from ray_ckpt.storage.participant_store import MANIFEST_NAME, SCHEMA_VERSION
+
+log = logging.getLogger(__name__)
+
+LATEST_KEY = "LATEST"
+GYM = "gym"
+
+
+class LatestPointer(msgspec.Struct, frozen=True):
+    """What `LATEST` holds: the checkpoint's name under the root and its ID
+    (so a name reused for another checkpoint is not mistaken for it)."""
+
+    name: str
+    checkpoint_id: str
+
+
+class CheckpointEntry(msgspec.Struct, frozen=True, kw_only=True):
+    """One row of `ray-ckpt list` (its JSON has exactly these fields)."""
+
+    name: str
+    checkpoint_id: str | None
+    time: float  # the Gym manifest's write time; the newest write if incomplete
+    participants: int
+    episodes: int
+    bytes: int  # every object under <name>/gym/
+    complete: bool
+    referenced_by: list[str]
+
+
+class Scanned(msgspec.Struct, frozen=True, kw_only=True):
+    """What one checkpoint holds, beyond its row: for `latest` and gc."""
+
+    entry: CheckpointEntry
+    keys: list[BlobInfo]  # every object under <name>/gym/
+    needs: frozenset[str]  # keys it cannot restore without (`needed_keys`)
+    episode_keys: list[str] | None  # capture keys; None if a manifest lists none
+    problem: str | None  # why it is not complete
+
+
+class Catalog(msgspec.Struct, frozen=True, kw_only=True):
+    url: str
+    checkpoints: dict[str, Scanned]
+    latest: LatestPointer | None
+    root_keys: list[BlobInfo]  # objects outside any <name>/gym/ (LATEST, probes)
+
+    @property
+    def entries(self) -> list[CheckpointEntry]:
+        """Oldest first (by time, then name)."""
+        return [s.entry for s in sorted(self.checkpoints.values(), key=_order)]
+
+    def complete(self) -> list[Scanned]:
+        """Complete checkpoints, newest first."""
+        done = [s for s in self.checkpoints.values() if s.entry.complete]
+        return sorted(done, key=_order, reverse=True)
+
+
+def _order(s: Scanned) -> tuple[float, str]:
+    return (s.entry.time, s.entry.name)
+
+
+# --- locations ----------------------------------------------------------------
+
+
+def split_location(location: str) -> tuple[str, str]:
+    """(parent location, name) of a checkpoint location: where its `LATEST`
+    goes and what it says.  `InvalidRequest` if there is no parent to use."""
+    text = location.rstrip("/")
+    scheme, sep, rest = text.partition("://")
+    base = rest if sep else text
+    parent, slash, name = base.rpartition("/")
+    if sep and slash and not parent and base.startswith("/"):
+        parent = "/"  # file:///name
+    if not slash or not name or (sep and not parent):
+        raise InvalidRequest(f"checkpoint location {location!r} has no parent to hold LATEST")
+    if not sep:
+        return parent or "/", name
+    return f"{scheme}://{parent}" if parent != "/" else f"{scheme}:///", name
+
+
+def join_location(root: str, name: str) -> str:
+    return f"{root}{name}" if root.endswith("/") else f"{root}/{name}"
+
+
+# --- LATEST -------------------------------------------------------------------
+
+
+def write_latest(blobs: Blobs, name: str, checkpoint_id: str) -> None:
+    """Point `LATEST` at `name` (atomic: readers see the old or the new one)."""
+    blobs.replace(LATEST_KEY, msgspec.json.encode(LatestPointer(name, checkpoint_id)) + b"\n")
+
+
+def write_latest_for(checkpoint_dir: str, checkpoint_id: str) -> None:
+    """After the Gym manifest of `checkpoint_dir`: its parent's `LATEST` names it."""
+    from ray_ckpt.storage.locations import open_location
+
+    parent, name = split_location(checkpoint_dir)
+    write_latest(open_location(parent), name, checkpoint_id)
+
+
+def read_latest(blobs: Blobs) -> LatestPointer | None:
+    """The pointer, or None if absent or unreadable (it is only a hint)."""
+    try:
+        data = blobs.read(LATEST_KEY)
+    except BlobMissing:
+        return None
+    try:
+        return msgspec.json.decode(data, type=LatestPointer)
+    except msgspec.DecodeError:
+        log.warning("%s/%s is unreadable; ignored", blobs.url, LATEST_KEY)
+        return None
+
+
+# --- what a checkpoint needs --------------------------------------------------
+
+
+def needed_keys(
+    name: str, gym: GymManifest, manifests: Mapping[tuple[str, str], Mapping[str, Any]]
+) -> frozenset[str]:
+    """Every key checkpoint `name` needs to restore: its Gym manifest, each
+    participant manifest, and each records object those manifests name.
+
+    Today a checkpoint only names files of its own; a manifest that references
+    another checkpoint's records adds those keys here (and nowhere else)."""
+    keys = {f"{name}/{GYM}/{GYM_MANIFEST_NAME}"}
+    for e in gym.participants:
+        pdir = f"{name}/{GYM}/{e.kind}/{e.instance}"
+        keys.add(f"{pdir}/{MANIFEST_NAME}")
+        records = manifests[(e.kind, e.instance)].get("records_file")
+        if isinstance(records, str):
+            keys.add(f"{pdir}/{records}")
+    return frozenset(keys)
+
+
+# --- scanning -----------------------------------------------------------------
+
+
+def scan(blobs: Blobs) -> Catalog:
+    """List and check every checkpoint under the root (one listing, then the
+    manifests: no records are read)."""
+    by_name: dict[str, list[BlobInfo]] = {}
+    outside: list[BlobInfo] = []
+    for info in blobs.list():
+        name, _, rest = info.key.partition("/")
+        if rest.startswith(f"{GYM}/"):
+            by_name.setdefault(name, []).append(info)
+        else:
+            outside.append(info)
+    found = {name: _scan_one(blobs, name, keys) for name, keys in by_name.items()}
+    # A key inside another checkpoint that one needs makes it "referenced by" that one.
+    referenced: dict[str, set[str]] = {n: set() for n in found}
+    for name, s in found.items():
+        for key in s.needs:
+            owner = key.partition("/")[0]
+            if owner != name and owner in referenced:
+                referenced[owner].add(name)
+    done = {
+        n: msgspec.structs.replace(
+            s, entry=msgspec.structs.replace(s.entry, referenced_by=sorted(referenced[n]))
+        )
+        for n, s in found.items()
+    }
+    return Catalog(url=blobs.url, checkpoints=done, latest=read_latest(blobs), root_keys=outside)
+
+
+def scan_one(blobs: Blobs, name: str) -> Scanned:
+    """One checkpoint of the root (`InvalidCheckpointState` if it holds nothing)."""
+    keys = blobs.list(f"{name}/{GYM}")
+    if not keys:
+        raise InvalidCheckpointState(f"no checkpoint {name!r} under {blobs.url}")
+    return _scan_one(blobs, name, keys)
+
+
+def _scan_one(blobs: Blobs, name: str, keys: list[BlobInfo]) -> Scanned:
+    sizes = {i.key: i for i in keys if not is_temp(i.key)}
+    total = sum(i.size for i in keys)
+    gym_key = f"{name}/{GYM}/{GYM_MANIFEST_NAME}"
+    try:
+        if gym_key not in sizes:
+            raise InvalidCheckpointState("no Gym manifest: incomplete")
+        gym, manifests = _verified(blobs, name, sizes)
+    except CheckpointError as exc:
+        return _incomplete(blobs, name, keys, sizes, total, exc.detail)
+    episodes = _episode_keys(manifests.values())
+    entry = CheckpointEntry(
+        name=name,
+        checkpoint_id=gym.checkpoint_id,
+        time=sizes[gym_key].modified,
+        participants=len(gym.participants),
+        episodes=len(episodes) if episodes is not None else _max_count(manifests.values()),
+        bytes=total,
+        complete=True,
+        referenced_by=[],
+    )
+    return Scanned(
+        entry=entry,
+        keys=keys,
+        needs=needed_keys(name, gym, manifests),
+        episode_keys=episodes,
+        problem=None,
+    )
+
+
+def _verified(
+    blobs: Blobs, name: str, sizes: Mapping[str, BlobInfo]
+) -> tuple[GymManifest, dict[tuple[str, str], dict[str, Any]]]:
+    gym_key = f"{name}/{GYM}/{GYM_MANIFEST_NAME}"
+    try:
+        gym = msgspec.json.decode(blobs.read(gym_key), type=GymManifest)
+    except msgspec.DecodeError as exc:
+        raise InvalidCheckpointState(f"corrupt Gym manifest: {exc}") from None
+    if gym.schema_version != SCHEMA_VERSION:
+        raise InvalidCheckpointState(f"unknown Gym manifest schema {gym.schema_version}")
+    manifests: dict[tuple[str, str], dict[str, Any]] = {}
+    for e in gym.participants:
+        pdir = f"{name}/{GYM}/{e.kind}/{e.instance}"
+        data = blobs.read(f"{pdir}/{MANIFEST_NAME}")
+        if hashlib.sha256(data).hexdigest() != e.manifest_digest:
+            raise InvalidCheckpointState(f"{pdir}/{MANIFEST_NAME} does not match its digest")
+        m = _json_object(data)
+        if m is None:
+            raise InvalidCheckpointState(f"{pdir}/{MANIFEST_NAME} is not a JSON object")
+        records = m.get("records_file")
+        info = sizes.get(f"{pdir}/{records}") if isinstance(records, str) else None
+        if info is None or info.size != e.bytes:
+            raise InvalidCheckpointState(f"records of {e.kind}/{e.instance} missing or resized")
+        manifests[(e.kind, e.instance)] = m
+    return gym, manifests
+
+
+def _incomplete(
+    blobs: Blobs,
+    name: str,
+    keys: list[BlobInfo],
+    sizes: Mapping[str, BlobInfo],
+    total: int,
+    problem: str,
+) -> Scanned:
+    """What an incomplete checkpoint shows: the participant manifests it has."""
+    manifests = []
+    for key in sizes:
+        if key.endswith(f"/{MANIFEST_NAME}") and key.count("/") == 4:
+            try:
+                m = _json_object(blobs.read(key))
+            except BlobMissing:
+                m = None
+            if m is not None:
+                manifests.append(m)
+    ids = {m.get("checkpoint_id") for m in manifests}
+    cid = ids.pop() if len(ids) == 1 else None
+    episodes = _episode_keys(manifests)
+    entry = CheckpointEntry(
+        name=name,
+        checkpoint_id=cid if isinstance(cid, str) else None,
+        time=max(i.modified for i in keys),
+        participants=len(manifests),
+        episodes=len(episodes) if episodes is not None else _max_count(manifests),
+        bytes=total,
+        complete=False,
+        referenced_by=[],
+    )
+    # Nothing restores from it, so it needs nothing; gc still keeps a young one.
+    return Scanned(entry=entry, keys=keys, needs=frozenset(), episode_keys=None, problem=problem)
+
+
+def _json_object(data: bytes) -> dict[str, Any] | None:
+    try:
+        obj = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _episode_keys(manifests: Any) -> list[str] | None:
+    """The capture keys the manifests list (ours do; NeMo Gym's do not: None)."""
+    keys: set[str] = set()
+    for m in manifests:
+        listed = m.get("episodes")
+        if not isinstance(listed, list):
+            return None
+        keys.update(k for k in listed if isinstance(k, str))
+    return sorted(keys)
+
+
+def _max_count(manifests: Any) -> int:
+    counts = [m.get("record_count") for m in manifests]
+    return max((c for c in counts if isinstance(c, int)), default=0)
+
+
+# --- latest -------------------------------------------------------------------
+
+
+def pick_latest(catalog: Catalog) -> Scanned:
+    """`LATEST` if it names a complete checkpoint, else the newest complete one
+    by time; `InvalidCheckpointState` if there is none."""
+    pointer = catalog.latest
+    if pointer is not None:
+        named = catalog.checkpoints.get(pointer.name)
+        if (
+            named is not None
+            and named.entry.complete
+            and named.entry.checkpoint_id == pointer.checkpoint_id
+        ):
+            return named
+    done = catalog.complete()
+    if not done:
+        raise InvalidCheckpointState(f"no complete checkpoint under {catalog.url}")
+    return done[0]
+
+
+def latest_location(root: str | os.PathLike[str], blobs: Blobs) -> tuple[str, Scanned]:
+    """(location of the checkpoint `latest` picks under `root`, its scan)."""
+    picked = pick_latest(scan(blobs))
+    return join_location(os.fspath(root), picked.entry.name), picked
