@@ -11,7 +11,8 @@
 from participants.agent import AgentParticipant
 from participants.fleet import FACTORIES, KIND_ORDER, START_ORDER, Fleet, FleetConfig, launch_fleet
 from participants.local import LocalFleet, start_local_fleet
-from participants.policy_model import Cut, PolicyModelParticipant
+from participants.model_calls import Cut
+from participants.policy_model import PolicyModelParticipant
 from participants.resources import ResourcesMode, ResourcesParticipant, SessionHooks
 from participants.rollout import make_tasks, result_digest, run_episode
 

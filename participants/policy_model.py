@@ -32,6 +32,11 @@ What a policy model holds for a checkpoint (reference notes §2.1):
   With checkpointing off nothing is recorded at all.
 - **Fence**: a retired attempt never gains a call, a cut or a ledger row, even
   if its request was still arriving when the retire ran.
+
+This module is the participant: its tables, the admission gate and when
+anything is added or freed.  The call and cut types and the cut rules are in
+`participants.model_calls`; how a ledger row lands and what a record holds
+in `participants.model_ledger`.
 """
 
 from __future__ import annotations
@@ -39,76 +44,16 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
-
-import msgspec
 
 from participants.hooks import stage_records, stop_tasks
+from participants.model_calls import Call, Cut, continue_restored, cut_generations
+from participants.model_ledger import Row, add_row, export_records, parse_state
 from ray_ckpt.control.admission import AdmissionGate
 from ray_ckpt.control.retire_marks import retire_scope
-from ray_ckpt.control.wire import Blocker, PrepareReport, to_builtins
-from ray_ckpt.errors import AdmissionClosed, InvalidCheckpointState, InvalidRequest, StaleAttempt
+from ray_ckpt.control.wire import Blocker, PrepareReport
+from ray_ckpt.errors import AdmissionClosed, InvalidRequest, StaleAttempt
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage.record import Record
-
-Row = dict[str, Any]
-
-
-class Cut(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A generation cut at a token boundary: the prefix and what it belongs to."""
-
-    digest: str  # the conversation the generation answers
-    tokens: list[int]
-    call: int  # admission index of the cut call (diagnostics only)
-    # Digest of the generation-defining parameters of the cut call.  None (a
-    # record written before it was kept) never matches: regenerating is safe,
-    # continuing under other limits or sampling is not.
-    params: str | None = None
-
-
-class ModelState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One record's state: the attempt's ledger rows and its cut, if any."""
-
-    rows: list[dict[str, Any]]
-    cut: Cut | None = None
-
-
-class Call:
-    """One admitted generation, from admission to delivery."""
-
-    __slots__ = (
-        "continued",
-        "delivering",
-        "digest",
-        "episode",
-        "finished",
-        "index",
-        "params",
-        "position",
-        "task",
-        "tokens",
-    )
-
-    def __init__(
-        self,
-        episode: EpisodeId,
-        digest: str,
-        index: int,
-        task: Any,
-        *,
-        params: str = "",
-        position: int | None = None,
-    ) -> None:
-        self.episode = episode
-        self.digest = digest
-        self.params = params
-        self.position = position  # the caller's call position, if it said
-        self.index = index
-        self.task: asyncio.Task[Any] | None = task
-        self.tokens: list[int] = []
-        self.continued = 0  # tokens taken from a restored cut
-        self.delivering = False
-        self.finished = False  # its attempt was closed, retired or forgotten meanwhile
 
 
 def _covers_rollouts(rollout_ids: Iterable[str]) -> Callable[[EpisodeId], bool]:
@@ -147,7 +92,7 @@ class PolicyModelParticipant:
 
     def close_admission(self) -> None:
         self.gate.close()
-        self.cuts = self._cut_generations()
+        self.cuts = cut_generations(self.calls.values(), self.retired, self.counts)
         self._notify()
 
     def open_admission(self) -> None:
@@ -159,25 +104,6 @@ class PolicyModelParticipant:
         for episode in sorted(finishing, key=lambda e: e.capture_key):
             self._finish_now(episode)
         self._notify()
-
-    def _cut_generations(self) -> dict[EpisodeId, Cut]:
-        latest: dict[EpisodeId, Call] = {}
-        for call in self.calls.values():
-            if call.delivering:
-                continue  # delivered before the checkpoint: it goes to the ledger
-            if call.finished or self.retired(call.episode):
-                continue  # its attempt is gone: nothing of it is staged
-            held = latest.get(call.episode)
-            if held is None or call.index > held.index:
-                latest[call.episode] = call
-        cuts = {}
-        for episode, call in latest.items():
-            if not call.tokens:
-                self.counts["cut_skipped"] += 1
-                continue
-            cuts[episode] = Cut(call.digest, list(call.tokens), call.index, call.params)
-            self.counts["cut"] += 1
-        return cuts
 
     def ready(self) -> bool:
         return not any(call.delivering for call in self.calls.values())
@@ -227,24 +153,10 @@ class PolicyModelParticipant:
             raise InvalidRequest(
                 "the policy model exports only a named scope: the commit needs episode_ids"
             )
-        records = []
-        for episode in dict.fromkeys(scope):
-            rows = self.ledger.get(episode, [])
-            cut = self.cuts.get(episode) or self.restored_cuts.get(episode)
-            if rows or cut is not None or episode in self.restored:
-                state = ModelState(rows=list(rows), cut=cut)
-                records.append(Record(episode.capture_key, to_builtins(state)))
-        records.sort(key=lambda r: r.key)
-        return records
+        return export_records(scope, self.ledger, self.cuts, self.restored_cuts, self.restored)
 
     async def install(self, records: Sequence[Record]) -> list[EpisodeId]:
-        def parse(record: Record) -> ModelState:
-            try:
-                return msgspec.convert(record.state, ModelState)
-            except msgspec.ValidationError as exc:
-                raise InvalidCheckpointState(f"model record {record.key!r}: {exc}") from None
-
-        staged = stage_records(records, parse)
+        staged = stage_records(records, parse_state)
         for episode, state in staged.items():
             self.ledger[episode] = list(state.rows)
             if state.cut is not None:
@@ -327,17 +239,7 @@ class PolicyModelParticipant:
             position=position,
         )
         self._next_index += 1
-        cut = self.restored_cuts.get(episode)
-        if cut is not None:
-            fits = limit is None or len(cut.tokens) <= limit
-            if cut.digest == digest and cut.params == params and fits:
-                del self.restored_cuts[episode]
-                call.tokens = list(cut.tokens)
-                call.continued = len(cut.tokens)
-                self.counts["calls_continued"] += 1
-            else:
-                # Kept: a later call of this attempt may be the one it belongs to.
-                self.counts["cut_unmatched"] += 1
+        continue_restored(call, self.restored_cuts, limit, self.counts)
         self.calls[call.index] = call
         self._notify()
         return call
@@ -355,13 +257,7 @@ class PolicyModelParticipant:
         try:
             if not self.recording or call.finished or self.retired(call.episode):
                 return  # the attempt is gone (or nothing is recorded): no row
-            rows = self.ledger.setdefault(call.episode, [])
-            if call.position is not None:
-                # A re-issued call replaces the row of its dropped delivery
-                # (and any row after it: the caller's state is before them).
-                rows[:] = [r for r in rows if _position(r) < call.position]
-                row = {**row, "position": call.position}
-            rows.append(row)
+            add_row(self.ledger.setdefault(call.episode, []), call, row)
         finally:
             self.drop(call)
 
@@ -376,9 +272,7 @@ class PolicyModelParticipant:
         While a checkpoint is open the rows stay until resume, so an export of
         a scope that names the episode still holds them.  True if anything of
         the attempt was held."""
-        held = (
-            episode in self.ledger or episode in self.restored_cuts or episode in self.restored
-        )
+        held = episode in self.ledger or episode in self.restored_cuts or episode in self.restored
         covered = retire_scope([episode])
         for call in self.calls.values():
             if covered(call.episode):
@@ -395,9 +289,3 @@ class PolicyModelParticipant:
         self._free(retire_scope([episode]))
         if rows is not None and self.collect is not None:
             self.collect(episode, rows)
-
-
-def _position(row: Row) -> int:
-    value = row.get("position")
-    # A row without one (no header) predates every positioned call.
-    return value if isinstance(value, int) else -1

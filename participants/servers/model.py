@@ -37,7 +37,8 @@ from participants.common import (
     guarded,
     json_object,
 )
-from participants.policy_model import Call, PolicyModelParticipant
+from participants.model_calls import Call
+from participants.policy_model import PolicyModelParticipant
 from ray_ckpt.errors import InvalidRequest
 from ray_ckpt.settings import CheckpointSettings
 

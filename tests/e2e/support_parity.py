@@ -39,7 +39,7 @@ from coordination.results import (
 )
 from participants.fleet import KIND_ORDER, START_ORDER, Fleet, FleetConfig, factory_options
 from participants.local import LocalFleet, start_local_server
-from participants.policy_model import Call
+from participants.model_calls import Call
 from ray_ckpt.control.client import data_session
 from ray_ckpt.identity import EpisodeId
 from tests.e2e.conftest import E2E, Stats, reads_until, until
