@@ -6,12 +6,14 @@ participant hooks.  The HTTP routes and the Ray actor methods both call
 `handle()`, so every transport drives the same code.
 
 Each operation's order of steps (admission of the call, phase transitions,
-replies cached for retries) reads here; the work of those steps lives in
-sibling modules: `commit` (the write-once export and its store write),
-`restore` (the once-per-process read and install) and `timing` (the call
-deadline, the readiness wait and the lease watcher).  They read this
-controller's public attributes at call time, so replacing one (a test swaps
-`store`) reaches them too.
+replies cached for retries) reads here, except commit's and restore's: their
+work outlives the call (shielded, finished by a retry), and that shared shape
+reads in `shielded`.  The work of the steps lives in sibling modules:
+`commit` (the write-once export and its store write), `restore` (the
+once-per-process read and install) and `timing` (the call deadline, the
+readiness wait and the lease watcher).  They read this controller's
+attributes at call time, so replacing one (a test swaps `store`) reaches them
+too.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from collections import Counter
 from typing import Any
 
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
+from ray_ckpt.control import shielded
 from ray_ckpt.control.commit import Commits, Write
 from ray_ckpt.control.phase_machine import ControlState, Effect, Event, Phase, Transition
 from ray_ckpt.control.protocol import Participant
-from ray_ckpt.control.restore import Restores, restore_reply
+from ray_ckpt.control.restore import Restores
 from ray_ckpt.control.retire_marks import RetiredAttempts
 from ray_ckpt.control.timing import LeaseWatcher, ReadinessWait, within
 from ray_ckpt.control.wire import (
@@ -38,7 +41,7 @@ from ray_ckpt.control.wire import (
     decode_request,
     report_reply,
 )
-from ray_ckpt.errors import CheckpointConflict, InvalidCheckpointState
+from ray_ckpt.errors import CheckpointConflict
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.storage.seam import FileRecordStore, RecordStore
@@ -172,88 +175,12 @@ class ParticipantController:
             self._renew(req)
             return {"lease_expires_at": self.state.lease_expires_at}
 
-    # --- commit --------------------------------------------------------------
+    # --- commit and restore (their order of steps is in `shielded`) ------------
     async def commit(self, req: CommitRequest) -> dict[str, Any]:
-        cid = req.checkpoint_id
-        scope = tuple(req.episode_ids) if req.episode_ids is not None else None
-        async with self._lock:
-            write = self._writes.get(cid)
-            if write is not None:
-                write.check_same(req, scope)
-            # Durable but not answered: a release step failed; a retry finishes it.
-            releasing = write is not None and write.manifest is not None
-            cached = self.state.admit("commit", cid, unfinished=releasing)
-            if cached is not None:
-                return dict(cached)
-            self._renew(req)
-            if write is not None and releasing:
-                return await self._finish_commit(req, scope, write)
-            if write is None:
-                write = self._writes[cid] = await self._commits.export(req, scope)
-            # First try, or a retry after the store failed: store the same records again.
-            task = self._commits.start(write, req)
-        # The write is shielded: a missed deadline fails this call, not the write.
-        manifest = await within(self.clock, req, "commit write", asyncio.shield(task))
-        async with self._lock:
-            if self.state.checkpoint_id != cid or self._writes.get(cid) is not write:
-                cached = self.state.results.get((cid, "commit"))
-                if cached is not None:
-                    return dict(cached)
-                raise InvalidCheckpointState(f"commit of {cid} was stopped by a resume")
-            if self.state.phase is Phase.PREPARED:
-                self.state.fire(Event.COMMIT)
-                write.manifest = manifest
-            cached = self.state.results.get((cid, "commit"))
-            if cached is not None:
-                # A concurrent retry of this commit finished it first.
-                return dict(cached)
-            return await self._finish_commit(req, scope, write)
+        return await shielded.commit(self, req)
 
-    async def _finish_commit(
-        self, req: CommitRequest, scope: tuple[EpisodeId, ...] | None, write: Write
-    ) -> dict[str, Any]:
-        """The release steps, then the reply, cached only once all of it is done."""
-        reply = await self._commits.finish(req, scope, write)
-        self.state.cache("commit", req.checkpoint_id, reply)
-        return reply
-
-    # --- restore -------------------------------------------------------------
     async def restore(self, req: RestoreRequest) -> dict[str, Any]:
-        cid = req.checkpoint_id
-        async with self._lock:
-            install = self._restores.pending(cid)
-            cached = self.state.admit("restore", cid, unfinished=install is not None)
-            if cached is not None:
-                return dict(cached)
-            if install is not None:
-                install.check_same(req)
-            else:
-                manifest, records = await self._restores.read(req)
-                await self._apply(self.state.fire(Event.RESTORE, cid))
-                install = self._restores.begin(req, manifest, records)
-            # The lease runs from the restore's start: if the install outlives
-            # this call and the coordinator goes away, the lease still resumes.
-            self._renew(req)
-            try:
-                # Shielded: a missed deadline or a cancelled call (ray.cancel
-                # of the coordinator's fan-out) ends this call, not the
-                # install; the phase stays restored with admission closed
-                # until the install ends and a retry, resume or lapse decides.
-                installed = await within(self.clock, req, "install", asyncio.shield(install.task))
-            except BaseException:
-                if not install.failed():
-                    raise
-                # The install itself raised: free what it left, reopen, and
-                # answer with a typed error (the ID is not consumed).
-                error = self._restores.failure(install)
-                cause = None if install.task.cancelled() else install.task.exception()
-                await self._restores.settle()
-                await self._apply(self.state.fire(Event.RESTORE_FAILED))
-                raise error from cause
-            install.answered = True
-            reply = restore_reply(install.manifest, installed)
-            self.state.cache("restore", cid, reply)
-            return reply
+        return await shielded.restore(self, req)
 
     # --- resume --------------------------------------------------------------
     async def resume(self, req: CheckpointRequest) -> dict[str, Any]:

@@ -1,0 +1,116 @@
+"""Commit and restore: the two operations whose work outlives the call.
+
+Both start long work once under the controller's lock (the store write of
+the exported records; the install of the read ones), shield it, and await it
+within the call's deadline: a missed deadline or a cancelled call fails the
+call, not the work.  A retry with the same checkpoint ID awaits (or, after a
+failure, restarts) that same work instead of doing it again, and the reply
+is cached only once all of it, release steps included, is done.  That shared
+shape is why these two orders of steps live together, apart from the phases
+and the lease (`controller.py`); each step's work is in `commit` and
+`restore`.  The caller is the `ParticipantController`; these read its state
+at call time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from ray_ckpt.control.commit import Write
+from ray_ckpt.control.phase_machine import Event, Phase
+from ray_ckpt.control.restore import restore_reply
+from ray_ckpt.control.timing import within
+from ray_ckpt.control.wire import CommitRequest, RestoreRequest
+from ray_ckpt.errors import InvalidCheckpointState
+from ray_ckpt.identity import EpisodeId
+
+if TYPE_CHECKING:
+    from ray_ckpt.control.controller import ParticipantController
+
+
+async def commit(c: ParticipantController, req: CommitRequest) -> dict[str, Any]:
+    cid = req.checkpoint_id
+    scope = tuple(req.episode_ids) if req.episode_ids is not None else None
+    async with c._lock:
+        write = c._writes.get(cid)
+        if write is not None:
+            write.check_same(req, scope)
+        # Durable but not answered: a release step failed; a retry finishes it.
+        releasing = write is not None and write.manifest is not None
+        cached = c.state.admit("commit", cid, unfinished=releasing)
+        if cached is not None:
+            return dict(cached)
+        c._renew(req)
+        if write is not None and releasing:
+            return await _finish_commit(c, req, scope, write)
+        if write is None:
+            write = c._writes[cid] = await c._commits.export(req, scope)
+        # First try, or a retry after the store failed: store the same records again.
+        task = c._commits.start(write, req)
+    # The write is shielded: a missed deadline fails this call, not the write.
+    manifest = await within(c.clock, req, "commit write", asyncio.shield(task))
+    async with c._lock:
+        if c.state.checkpoint_id != cid or c._writes.get(cid) is not write:
+            cached = c.state.results.get((cid, "commit"))
+            if cached is not None:
+                return dict(cached)
+            raise InvalidCheckpointState(f"commit of {cid} was stopped by a resume")
+        if c.state.phase is Phase.PREPARED:
+            c.state.fire(Event.COMMIT)
+            write.manifest = manifest
+        cached = c.state.results.get((cid, "commit"))
+        if cached is not None:
+            # A concurrent retry of this commit finished it first.
+            return dict(cached)
+        return await _finish_commit(c, req, scope, write)
+
+
+async def _finish_commit(
+    c: ParticipantController,
+    req: CommitRequest,
+    scope: tuple[EpisodeId, ...] | None,
+    write: Write,
+) -> dict[str, Any]:
+    """The release steps, then the reply, cached only once all of it is done."""
+    reply = await c._commits.finish(req, scope, write)
+    c.state.cache("commit", req.checkpoint_id, reply)
+    return reply
+
+
+async def restore(c: ParticipantController, req: RestoreRequest) -> dict[str, Any]:
+    cid = req.checkpoint_id
+    async with c._lock:
+        install = c._restores.pending(cid)
+        cached = c.state.admit("restore", cid, unfinished=install is not None)
+        if cached is not None:
+            return dict(cached)
+        if install is not None:
+            install.check_same(req)
+        else:
+            manifest, records = await c._restores.read(req)
+            await c._apply(c.state.fire(Event.RESTORE, cid))
+            install = c._restores.begin(req, manifest, records)
+        # The lease runs from the restore's start: if the install outlives
+        # this call and the coordinator goes away, the lease still resumes.
+        c._renew(req)
+        try:
+            # Shielded: a missed deadline or a cancelled call (ray.cancel
+            # of the coordinator's fan-out) ends this call, not the
+            # install; the phase stays restored with admission closed
+            # until the install ends and a retry, resume or lapse decides.
+            installed = await within(c.clock, req, "install", asyncio.shield(install.task))
+        except BaseException:
+            if not install.failed():
+                raise
+            # The install itself raised: free what it left, reopen, and
+            # answer with a typed error (the ID is not consumed).
+            error = c._restores.failure(install)
+            cause = None if install.task.cancelled() else install.task.exception()
+            await c._restores.settle()
+            await c._apply(c.state.fire(Event.RESTORE_FAILED))
+            raise error from cause
+        install.answered = True
+        reply = restore_reply(install.manifest, installed)
+        c.state.cache("restore", cid, reply)
+        return reply
