@@ -8,7 +8,9 @@ plane's `/ng-rollout/` prefix it also keeps the error contract the aiohttp
 front keeps: a malformed capture key is 400 `invalid_request` before the app
 sees it, and a 404/405 the app's framework answers in its own shape (FastAPI's
 `{"detail": "Not Found"}`) becomes the `{"error": {"code", "detail"}}`
-envelope; every other reply passes through untouched.
+envelope; every other reply passes through untouched.  `send_error` and
+`send_json` let a data-plane front in front of an app (the NeMo Gym wrapper,
+`participants.nemo_gym.front`) answer in the same envelope.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ray_ckpt.control.routes import (
     _Gate,
     is_control_path,
 )
-from ray_ckpt.errors import InvalidRequest, Reason
+from ray_ckpt.errors import CheckpointError, InvalidRequest, Reason
 from ray_ckpt.identity import ROLLOUT_PATH_PREFIX, parse_rollout_path
 from ray_ckpt.settings import CheckpointSettings
 
@@ -226,3 +228,17 @@ async def _send(
     ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+async def send_error(send: Send, exc: CheckpointError) -> None:
+    """Answer with the typed error's status and `{"error": {"code", "detail"}}` body.
+
+    For data-plane fronts in front of an ASGI app (e.g. a NeMo Gym wrapper's
+    `stale_attempt`), so every front answers refusals in the one envelope.
+    """
+    await _send(send, exc.http_status, orjson.dumps(exc.to_body()))
+
+
+async def send_json(send: Send, body: object, *, status: int = 200) -> None:
+    """A complete JSON reply (a front answering a route the app lacks)."""
+    await _send(send, status, orjson.dumps(body))

@@ -3,7 +3,8 @@
 - `spec` — `ServerSpec` (what a host is built from), the `GymServer`
   protocol, factory loading, actor names;
 - `host` — the `ParticipantHost` Ray actor (hosted and sidecar modes) and
-  `start_host` / `stop_host`;
+  `start_host` / `stop_host`, and `relaunch_host` (a fresh host under a dead
+  one's name, for crash recovery);
 - `sidecar` — the integration installed into a Gym server that runs as its
   own process, and the host side that forwards control calls to it.
 

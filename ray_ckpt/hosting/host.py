@@ -227,6 +227,55 @@ def get_host(kind: str, name: str, *, namespace: str) -> Any:
     return ray.get_actor(actor_name(kind, name), namespace=namespace)
 
 
+async def relaunch_host(
+    spec: ServerSpec,
+    *,
+    namespace: str,
+    node_id: str | None = None,
+    timeout_s: float = 30.0,
+    **options: Any,
+) -> Any:
+    """Start a fresh host under the name of one that died; returns its handle.
+
+    For crash recovery: the replacement of a dead host needs its name, and a
+    name freed by `ray.kill` takes a moment to become free, while a host
+    whose process died by itself (kill -9) keeps its name until it is
+    `ray.kill`ed.  This waits (up to `timeout_s`) until the name is free,
+    releasing a dead holder, and refuses (`ValueError`) to replace a host
+    that still answers.  The new host is fresh: restore into it next.
+    """
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + timeout_s
+    while True:
+        try:
+            return start_host(
+                spec, namespace=namespace, node_id=node_id, get_if_exists=False, **options
+            )
+        except ValueError:
+            if loop.time() >= give_up:
+                raise
+        await _release_if_dead(spec, namespace)
+        await asyncio.sleep(0.1)
+
+
+async def _release_if_dead(spec: ServerSpec, namespace: str) -> None:
+    import ray
+    from ray.exceptions import RayActorError
+
+    try:
+        old = ray.get_actor(spec.actor_name, namespace=namespace)
+    except ValueError:
+        return  # already free (or about to be)
+    try:
+        await asyncio.wait_for(old.ready.remote(), 5.0)
+    except RayActorError:
+        ray.kill(old, no_restart=True)
+        return
+    except (TimeoutError, CheckpointError):
+        return  # starting, busy or stopping: try the name again later
+    raise ValueError(f"{spec.actor_name} is alive in namespace {namespace!r}: not replacing it")
+
+
 async def stop_host(handle: Any, *, timeout_s: float = 30.0) -> None:
     """Graceful stop, then end the actor process (dead or stuck hosts are killed)."""
     import ray
