@@ -36,6 +36,26 @@ def _quiet(_event: str, _rollout: str) -> None:
     return None
 
 
+# Module functions, not `Rollouts` methods: the random-sequence harness
+# drives its attempts with another record of outcomes and reuses these two.
+async def wait_running(running: dict[str, asyncio.Task[None]], timeout_s: float | None) -> None:
+    """Wait for every running attempt to reply or fail (TimeoutError past `timeout_s`)."""
+    tasks = list(running.values())
+    if tasks:
+        async with asyncio.timeout(timeout_s):
+            await asyncio.gather(*tasks)
+
+
+async def abandon_running(running: dict[str, asyncio.Task[None]]) -> None:
+    """Cancel every running attempt, await each, and forget them all."""
+    for task in running.values():
+        task.cancel()
+    for task in running.values():
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+    running.clear()
+
+
 @dataclass
 class Rollouts:
     """One task per rollout, its current attempt, and what came back."""
@@ -96,19 +116,11 @@ class Rollouts:
 
     async def wait(self, timeout_s: float | None = None) -> None:
         """Wait for every running attempt to reply or fail."""
-        tasks = list(self.running.values())
-        if tasks:
-            async with asyncio.timeout(timeout_s):
-                await asyncio.gather(*tasks)
+        await wait_running(self.running, timeout_s)
 
     async def abandon(self) -> None:
         """The driver's side of a crash: in-flight calls are gone."""
-        for task in self.running.values():
-            task.cancel()
-        for task in self.running.values():
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self.running.clear()
+        await abandon_running(self.running)
 
     def span_s(self) -> float:
         """From the first dispatch to the last result (0 before anything finished)."""

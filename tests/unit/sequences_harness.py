@@ -26,7 +26,6 @@ sometimes slow.  Outcomes are compared as ("result", digest) or ("failure", code
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 from collections import defaultdict
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from typing import Any
 
 import aiohttp
 
+from coordination.demo.scenario import abandon_running, wait_running
 from participants.fleet import FleetConfig
 from participants.rollout import make_tasks, result_digest, run_episode
 from ray_ckpt.errors import CheckpointError, InvalidRequest
@@ -219,18 +219,10 @@ class Driver:
         self.running[rollout] = asyncio.ensure_future(drive())
 
     async def wait(self, timeout_s: float) -> None:
-        tasks = list(self.running.values())
-        if tasks:
-            async with asyncio.timeout(timeout_s):
-                await asyncio.gather(*tasks)
+        await wait_running(self.running, timeout_s)
 
     async def abandon(self) -> None:
-        for task in self.running.values():
-            task.cancel()
-        for task in self.running.values():
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self.running.clear()
+        await abandon_running(self.running)
 
 
 async def call(
