@@ -1,4 +1,4 @@
-"""Launch the four reference servers as `ParticipantHost` actors on this node.
+"""Launch the four reference servers as `ParticipantHost` actors, on chosen nodes.
 
 ```python
 config = FleetConfig(namespace="demo", token="secret", step_delay_s=0.05)
@@ -18,6 +18,7 @@ first and their URLs are wired into their callers through factory options.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -109,6 +110,11 @@ class Fleet:
         self.info: dict[str, dict[str, Any]] = {}
 
     @property
+    def placement(self) -> dict[str, str]:
+        """The node each host runs on (node ID hex), by kind."""
+        return {k: str(info["node_id"]) for k, info in self.info.items()}
+
+    @property
     def names(self) -> dict[str, str]:
         """Actor names, `<kind>/<name>`, by kind."""
         return {k: actor_name(k, self.config.server_name(k)) for k in KIND_ORDER}
@@ -131,10 +137,25 @@ class Fleet:
                 await stop_host(self.hosts[kind], timeout_s=timeout_s)
 
 
-async def launch_fleet(config: FleetConfig, *, start_timeout_s: float = 60.0) -> Fleet:
-    """Start the four hosts on the caller's node and wait until each serves."""
+async def launch_fleet(
+    config: FleetConfig,
+    *,
+    start_timeout_s: float = 60.0,
+    placement: Mapping[str, str] | None = None,
+) -> Fleet:
+    """Start the four hosts and wait until each serves.
+
+    `placement` pins a kind's host to a Ray node (kind -> node ID hex); a kind
+    it does not name runs on the caller's node.  Hosts are pinned hard (no
+    soft fallback): a host must come back where its callers expect it, and
+    a relaunch after a node loss names the surviving node explicitly.
+    """
     if not config.namespace:
         raise ValueError("a fleet needs an explicit Ray namespace")
+    placement = dict(placement or {})
+    unknown = set(placement) - set(KIND_ORDER)
+    if unknown:
+        raise ValueError(f"placement names unknown kinds {sorted(unknown)}")
     fleet = Fleet(config)
     settings = settings_dict(config.settings())
     try:
@@ -147,7 +168,7 @@ async def launch_fleet(config: FleetConfig, *, start_timeout_s: float = 60.0) ->
                 options=options,
                 settings=settings,
             )
-            fleet.hosts[kind] = await _start(spec, config.namespace)
+            fleet.hosts[kind] = await _start(spec, config.namespace, placement.get(kind))
             info = await asyncio.wait_for(fleet.hosts[kind].ready.remote(), start_timeout_s)
             fleet.info[kind] = info
             fleet.urls[kind] = info["url"]
@@ -157,10 +178,12 @@ async def launch_fleet(config: FleetConfig, *, start_timeout_s: float = 60.0) ->
     return fleet
 
 
-async def _start(spec: ServerSpec, namespace: str, attempts: int = 50) -> Any:
+async def _start(
+    spec: ServerSpec, namespace: str, node_id: str | None = None, attempts: int = 50
+) -> Any:
     for attempt in range(attempts):
         try:
-            return start_host(spec, namespace=namespace, get_if_exists=False)
+            return start_host(spec, namespace=namespace, node_id=node_id, get_if_exists=False)
         except ValueError:
             if attempt == attempts - 1:
                 raise

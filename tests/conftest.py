@@ -44,3 +44,19 @@ def ray_session() -> Iterator[str]:
 def namespace(ray_session: str, request: pytest.FixtureRequest) -> str:
     """A fresh Ray namespace per test so named actors never collide."""
     return f"{ray_session}-{uuid.uuid4().hex[:8]}"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "multinode: runs on the multi-node cluster (tests/multinode), after the rest"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # A driver attaches to one Ray cluster at a time: everything on the shared
+    # single-node Ray runs first, then the multi-node cluster replaces it.
+    multinode = os.sep + "multinode" + os.sep
+    for item in items:
+        if multinode in str(item.path):
+            item.add_marker(pytest.mark.multinode)
+    items.sort(key=lambda item: item.get_closest_marker("multinode") is not None)
