@@ -6,7 +6,12 @@ re-running `__init__`, so `__init__` schedules recovery: the journal names the
 checkpoint the previous incarnation left open and who took part, and it is
 aborted (resumed everywhere) before any new call is served.  Participants are
 registered (actor handle or URL + token) or discovered by name:
-`<kind>/<name>` actors in the coordinator's namespace.
+`<kind>/<name>` actors in the coordinator's namespace
+(`coordination.registration`).
+
+Every location a call names is checked before anyone is paused
+(`coordination.roots`); the periodic checkpoint loop runs here too
+(`coordination.periodic`).
 """
 
 from __future__ import annotations
@@ -14,39 +19,49 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import tempfile
 from typing import Any
 
+import msgspec
+
+from coordination.actor_options import (
+    COORDINATOR_NAME,
+    coordinator_options,
+    default_state_dir,
+    get_or_create_coordinator,
+)
 from coordination.core import CoordinatorCore
-from coordination.hosts import Host, HttpHost, RayHost, RayPauseTarget
+from coordination.hosts import Host, RayHost, RayPauseTarget
 from coordination.journal import Journal
 from coordination.membership import KindMismatch
 from coordination.order import Member
+from coordination.periodic import DEFAULT_PREFIX, AssemblerScope, PeriodicRunner
+from coordination.registration import discover_named, http_host, register_named
 from coordination.results import (
     CheckpointResult,
     CommitResult,
     CoordinatorStatus,
     ForgetResult,
+    PeriodicStatus,
     PrepareResult,
     RestoreResult,
     ResumeResult,
     RetireResult,
     Timeouts,
 )
-from ray_ckpt.control.client import ControlClient
-from ray_ckpt.control.protocol import KINDS
+from coordination.roots import restore_target, retain, writable
 from ray_ckpt.errors import InvalidRequest
 from ray_ckpt.identity import EpisodeId
 
 log = logging.getLogger(__name__)
 
-COORDINATOR_NAME = "ray-ckpt-coordinator"
-MAX_CONCURRENCY = 1000
-
-
-def default_state_dir(namespace: str, name: str = COORDINATOR_NAME) -> str:
-    return os.path.join(tempfile.gettempdir(), "ray-ckpt", namespace, name)
+# Importers of these names from here keep working (they live in actor_options).
+__all__ = [
+    "COORDINATOR_NAME",
+    "Coordinator",
+    "coordinator_options",
+    "default_state_dir",
+    "get_or_create_coordinator",
+]
 
 
 class Coordinator:
@@ -68,6 +83,10 @@ class Coordinator:
             timeouts=Timeouts(**timeouts) if timeouts else None,
             pause_mode=pause_mode,
         )
+        # The registered assembler's in-flight episodes (if it names a method):
+        # the scope of every checkpoint taken without one.
+        self.scope_source: AssemblerScope | None = None
+        self.periodic = PeriodicRunner(self._periodic_checkpoint, retain, self.core.clock)
         self._recovery: asyncio.Task[str | None] | None = None
         with contextlib.suppress(RuntimeError):  # no loop here: recover on the first call
             self._recovery = asyncio.get_running_loop().create_task(self._recover())
@@ -94,17 +113,9 @@ class Coordinator:
                 log.error("discovery during recovery: %s", exc)
         return await self.core.recover()
 
-    # --- membership ----------------------------------------------------------
+    # --- membership (coordination.registration) ------------------------------
     async def _register_named(self, member: Member, actor_name: str) -> bool:
-        import ray
-
-        try:
-            handle = await asyncio.to_thread(ray.get_actor, actor_name, namespace=self.namespace)
-        except ValueError:
-            return False  # gone; its lease covers it
-        host = RayHost(member, handle, actor_name=actor_name, named=True)
-        await self.core.drop_host(await self.core.register_checked(host))
-        return True
+        return await register_named(self.core, self.namespace, member, actor_name)
 
     async def discover(self, *, refresh: bool = False) -> list[str]:
         """Register every `<kind>/<name>` actor of this namespace and drop the
@@ -112,35 +123,7 @@ class Coordinator:
 
         Membership only: an open checkpoint keeps the members it was
         prepared with (`PhaseDriver.frozen`), a newcomer joins the next one."""
-        import ray
-
-        # all_namespaces=True and a filter: inside an actor, the job's namespace
-        # need not be the one this coordinator was named in.
-        found = await asyncio.to_thread(ray.util.list_named_actors, True)
-        live: set[str] = set()
-        mismatched: list[str] = []
-        for item in found:
-            name = item["name"] if isinstance(item, dict) else str(item)
-            if isinstance(item, dict) and item.get("namespace") != self.namespace:
-                continue
-            kind, sep, rest = name.partition("/")
-            if not sep or kind not in KINDS or not rest or "/" in rest:
-                continue
-            live.add(name)
-            if name in self.core.hosts and not refresh:
-                continue
-            try:
-                await self._register_named(Member(kind, rest), name)
-            except KindMismatch as exc:
-                # The others are still registered; the mismatch is raised below.
-                mismatched.append(exc.detail)
-        for key, host in list(self.core.hosts.items()):
-            if isinstance(host, RayHost) and host.named and host.actor_name not in live:
-                log.warning("%s: no live actor named %s; dropped", key, host.actor_name)
-                await self.core.drop_host(self.core.unregister(key))
-        if mismatched:
-            raise KindMismatch("; ".join(mismatched))
-        return sorted(self.core.hosts)
+        return await discover_named(self.core, self.namespace, refresh=refresh)
 
     async def register_actor(self, kind: str, name: str, handle: Any = None) -> str:
         member = Member(kind, name)
@@ -161,17 +144,14 @@ class Coordinator:
         limit: int = 64,
         limit_per_host: int = 8,
     ) -> str:
-        member = Member(kind, name)
-        host = HttpHost(
-            member, ControlClient(url, token=token, limit=limit, limit_per_host=limit_per_host)
-        )
+        host = http_host(kind, name, url, token, limit=limit, limit_per_host=limit_per_host)
         try:
             old = await self.core.register_checked(host)
         except BaseException:
             await host.aclose()
             raise
         await self.core.drop_host(old)
-        return member.key
+        return host.member.key
 
     async def discover_http(
         self,
@@ -187,10 +167,7 @@ class Coordinator:
         discovery does); any other failure or a kind mismatch fails the whole
         discovery (`CoordinationFailed`) and registers none."""
         hosts: list[Host] = [
-            HttpHost(
-                Member(kind, name),
-                ControlClient(url, token=token, limit=limit, limit_per_host=limit_per_host),
-            )
+            http_host(kind, name, url, token, limit=limit, limit_per_host=limit_per_host)
             for kind, name, url in servers
         ]
         registered, skipped = await self.core.discover_http(hosts)
@@ -208,7 +185,12 @@ class Coordinator:
         resume_method: str = "resume",
         pass_args: bool = True,
         mode: str | None = None,
+        scope_method: str | None = None,
     ) -> None:
+        """`scope_method` (assembler only): the method returning the episodes
+        in flight, asked for the scope of a checkpoint that names none."""
+        if scope_method is not None and role != "assembler":
+            raise InvalidRequest("only the assembler names a scope method")
         target = RayPauseTarget(
             role,
             handle,
@@ -217,6 +199,12 @@ class Coordinator:
             pass_args=pass_args,
         )
         self.core.register_pause(target, mode=mode)
+        if role == "assembler":
+            self.scope_source = (
+                AssemblerScope(handle, scope_method, self.core.timeouts.pause_s)
+                if scope_method
+                else None
+            )
 
     async def members(self) -> list[str]:
         await self._ready()
@@ -242,8 +230,14 @@ class Coordinator:
         strict: bool = False,
     ) -> CommitResult:
         await self._ready()
+        await writable(checkpoint_dir)
         return await self.core.commit(
-            checkpoint_dir, scope, stop=stop, strict=strict, deadline_s=deadline_s
+            checkpoint_dir,
+            scope,
+            stop=stop,
+            strict=strict,
+            deadline_s=deadline_s,
+            scope_source=self.scope_source,
         )
 
     async def resume(self, deadline_s: float | None = None) -> ResumeResult:
@@ -264,6 +258,8 @@ class Coordinator:
         commit_s: float | None = None,
         strict: bool = False,
     ) -> CheckpointResult:
+        # Before anyone is paused: a location that cannot be written is refused.
+        await writable(checkpoint_dir)
         await self._ready(discover=True)
         return await self.core.checkpoint(
             checkpoint_dir,
@@ -273,21 +269,26 @@ class Coordinator:
             strict=strict,
             prepare_s=prepare_s,
             commit_s=commit_s,
+            scope_source=self.scope_source,
         )
 
     async def restore(
         self,
         checkpoint_dir: str,
-        episode_ids: list[EpisodeId],
+        episode_ids: list[EpisodeId] | None = None,
         resume: bool = True,
         deadline_s: float | None = None,
         allow_without_gym_manifest: bool = False,
+        latest: bool = False,
     ) -> RestoreResult:
+        """`latest`: `checkpoint_dir` is a root; restore the checkpoint
+        `latest` picks there.  No episodes: every one the checkpoint lists."""
+        where, episodes = await restore_target(checkpoint_dir, episode_ids, latest=latest)
         # A restore runs on a fresh fleet: re-resolve every name to its new actor.
         await self._ready(discover=True, refresh=True)
         return await self.core.restore(
-            checkpoint_dir,
-            episode_ids,
+            where,
+            episodes,
             resume=resume,
             deadline_s=deadline_s,
             allow_without_gym_manifest=allow_without_gym_manifest,
@@ -305,48 +306,27 @@ class Coordinator:
 
     async def status(self) -> CoordinatorStatus:
         await self._ready(discover=True)
-        return await self.core.status()
+        st = await self.core.status()
+        return msgspec.structs.replace(st, periodic=self.periodic.status())
 
+    # --- periodic checkpoints (coordination.periodic) -------------------------
+    async def start_periodic(
+        self,
+        root: str,
+        every_s: float,
+        keep_latest_k: int | None = None,
+        prefix: str = DEFAULT_PREFIX,
+    ) -> PeriodicStatus:
+        await self._ready()
+        await writable(root)
+        return self.periodic.start(
+            root, every_s=every_s, keep_latest_k=keep_latest_k, prefix=prefix
+        )
 
-def coordinator_options(
-    namespace: str, *, name: str = COORDINATOR_NAME, detached: bool = False
-) -> dict[str, Any]:
-    if not namespace:
-        raise InvalidRequest("the coordinator needs an explicit Ray namespace")
-    opts: dict[str, Any] = {
-        "name": name,
-        "namespace": namespace,
-        "get_if_exists": True,
-        "num_cpus": 0,
-        "max_restarts": -1,
-        # A call in flight when the coordinator dies fails to its caller; the
-        # restarted coordinator aborts the checkpoint, the caller starts anew.
-        "max_task_retries": 0,
-        "max_concurrency": MAX_CONCURRENCY,
-    }
-    if detached:
-        opts["lifetime"] = "detached"
-    return opts
+    async def stop_periodic(self) -> PeriodicStatus | None:
+        return await self.periodic.stop()
 
-
-def get_or_create_coordinator(
-    namespace: str,
-    *,
-    name: str = COORDINATOR_NAME,
-    detached: bool = False,
-    state_dir: str | None = None,
-    timeouts: dict[str, float] | None = None,
-    pause_mode: str = "full",
-    auto_discover: bool = True,
-) -> Any:
-    """The named coordinator of `namespace` (created if missing); an actor handle."""
-    import ray
-
-    actor_cls = ray.remote(Coordinator)
-    return actor_cls.options(**coordinator_options(namespace, name=name, detached=detached)).remote(
-        namespace,
-        state_dir=state_dir or default_state_dir(namespace, name),
-        timeouts=timeouts,
-        pause_mode=pause_mode,
-        auto_discover=auto_discover,
-    )
+    async def _periodic_checkpoint(self, root: str, where: str) -> CheckpointResult:
+        await writable(root)  # the root: probing `where` would leave a folder if prepare fails
+        await self._ready(discover=True)
+        return await self.core.checkpoint(where, None, scope_source=self.scope_source)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from coordination.calls import coordination_failed, episode_body, new_id
@@ -37,11 +37,15 @@ from coordination.results import (
     ResumeResult,
     RetireResult,
 )
+from coordination.roots import write_gym_manifest_and_latest
 from coordination.status import participant_rows
-from ray_ckpt.errors import InvalidPhase, InvalidRequest
+from ray_ckpt.errors import CheckpointError, InvalidPhase, InvalidRequest
 from ray_ckpt.identity import EpisodeId
 
 log = logging.getLogger(__name__)
+
+# The episodes a checkpoint without a scope continues (the assembler's in flight).
+ScopeSource = Callable[[], Awaitable[Sequence[EpisodeId]]]
 
 
 class CoordinatorCore(PhaseDriver):
@@ -52,6 +56,8 @@ class CoordinatorCore(PhaseDriver):
         unlisted_reader: ManifestReader = read_listed_or_participants,
         **kwargs: Any,
     ) -> None:
+        # The real writer also points the parent's LATEST at the checkpoint.
+        kwargs.setdefault("manifest_writer", write_gym_manifest_and_latest)
         super().__init__(**kwargs)
         self.manifest_reader = manifest_reader
         # Only when a restore asks for it (`allow_without_gym_manifest`).
@@ -71,13 +77,17 @@ class CoordinatorCore(PhaseDriver):
         stop: bool = False,
         strict: bool = False,
         deadline_s: float | None = None,
+        scope_source: ScopeSource | None = None,
     ) -> CommitResult:
         """Commit the open checkpoint everywhere, then write the Gym manifest.
 
         `strict`: refuse (`RestartInScope`, checkpoint aborted, no Gym
         manifest) if an episode of the scope has no state at any participant;
-        not with `stop` (that frees the exported episodes' resources first)."""
+        not with `stop` (that frees the exported episodes' resources first).
+        `scope_source`: asked for the scope when none is given."""
         async with self.lock:
+            if scope is None and scope_source is not None and self.open is not None:
+                scope = await self._asked_scope(self.open.checkpoint_id, scope_source)
             return await self._commit(
                 checkpoint_dir, scope, stop=stop, strict=strict, deadline_s=deadline_s
             )
@@ -100,11 +110,17 @@ class CoordinatorCore(PhaseDriver):
         strict: bool = False,
         prepare_s: float | None = None,
         commit_s: float | None = None,
+        scope_source: ScopeSource | None = None,
     ) -> CheckpointResult:
-        """prepare → commit → Gym manifest → resume (unless kept open to publish)."""
+        """prepare → commit → Gym manifest → resume (unless kept open to publish).
+
+        Without a scope, `scope_source` (the assembler's in-flight episodes)
+        is asked after the prepare, while the assembler is paused."""
         async with self.lock:
             start = time.monotonic()
             prepared = await self._prepare(prepare_s)
+            if scope is None and scope_source is not None:
+                scope = await self._asked_scope(prepared.checkpoint_id, scope_source)
             committed = await self._commit(
                 checkpoint_dir, scope, stop=stop, strict=strict, deadline_s=commit_s
             )
@@ -130,6 +146,17 @@ class CoordinatorCore(PhaseDriver):
             continued=committed.continued,
             restart=committed.restart,
         )
+
+    async def _asked_scope(self, cid: str, source: ScopeSource) -> list[EpisodeId]:
+        """The scope from `source`; if it fails, the open checkpoint is aborted."""
+        try:
+            return list(await source())
+        except BaseException as exc:
+            await self._abort(cid)
+            if not isinstance(exc, Exception):
+                raise
+            err = exc if isinstance(exc, CheckpointError) else CheckpointError(repr(exc)[:500])
+            raise coordination_failed("commit", cid, {"assembler": failure(err)}) from None
 
     # --- restore ---------------------------------------------------------------
     async def restore(

@@ -16,41 +16,44 @@ message, never a remote traceback.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
-from coordination.coordinator import COORDINATOR_NAME, get_or_create_coordinator
+from coordination import roots
+from coordination.connect import connect
 from coordination.hosts import _unwrap_ray_error
+from coordination.periodic import DEFAULT_PREFIX, episode_list
 from coordination.results import (
     CheckpointResult,
     CommitResult,
     CoordinatorStatus,
     ForgetResult,
+    PeriodicStatus,
     PrepareResult,
     RestoreResult,
     ResumeResult,
     RetireResult,
 )
-from ray_ckpt.errors import ParticipantUnavailable
 from ray_ckpt.identity import EpisodeId
+from ray_ckpt.storage.catalog import CheckpointEntry
+from ray_ckpt.storage.retention import DEFAULT_GRACE_S, GcPlan
+
+__all__ = ["CoordinatorHandle", "EpisodeLike", "connect", "episodes"]
 
 EpisodeLike = EpisodeId | str | tuple[str, int]
 
 
 def episodes(items: Iterable[EpisodeLike] | None) -> list[EpisodeId] | None:
     """EpisodeIds from EpisodeIds, capture keys (`r`, `r-a2`) or (rollout, attempt)."""
-    if items is None:
-        return None
-    out: list[EpisodeId] = []
-    for e in items:
-        if isinstance(e, EpisodeId):
-            out.append(e)
-        elif isinstance(e, str):
-            out.append(EpisodeId.from_capture_key(e))
-        else:
-            out.append(EpisodeId(e[0], e[1]))
-    return out
+    return None if items is None else episode_list(items)
+
+
+def _restore_args(
+    episode_ids: Iterable[EpisodeLike] | Literal["latest"] | None, latest: bool
+) -> tuple[list[EpisodeId] | None, bool]:
+    if episode_ids == "latest":  # restore(root, "latest"): every episode it holds
+        return None, True
+    return episodes(episode_ids), latest
 
 
 class CoordinatorHandle:
@@ -181,39 +184,101 @@ class CoordinatorHandle:
     def restore(
         self,
         checkpoint_dir: str,
-        episode_ids: Iterable[EpisodeLike],
+        episode_ids: Iterable[EpisodeLike] | Literal["latest"] | None = None,
         *,
         resume: bool = True,
         allow_without_gym_manifest: bool = False,
+        latest: bool = False,
     ) -> RestoreResult:
-        """`allow_without_gym_manifest`: restore a directory NeMo Gym's controller
+        """Restore `episode_ids` (None: every episode the checkpoint lists).
+
+        `restore(root, "latest")` (or `latest=True` with episodes): the newest
+        complete checkpoint under `root` — the one `LATEST` names if it is
+        complete, else the newest by time (`InvalidCheckpointState` if none).
+        `allow_without_gym_manifest`: restore a directory NeMo Gym's controller
         wrote (participant manifests only, no ``gym/_manifest.json``), after
         checking each participant's manifest is there, complete and of one ID."""
+        eps, latest = _restore_args(episode_ids, latest)
         res: RestoreResult = self._sync(
             "restore",
             str(checkpoint_dir),
-            episodes(episode_ids),
+            eps,
             resume,
             allow_without_gym_manifest=allow_without_gym_manifest,
+            latest=latest,
         )
         return res
 
     async def arestore(
         self,
         checkpoint_dir: str,
-        episode_ids: Iterable[EpisodeLike],
+        episode_ids: Iterable[EpisodeLike] | Literal["latest"] | None = None,
         *,
         resume: bool = True,
         allow_without_gym_manifest: bool = False,
+        latest: bool = False,
     ) -> RestoreResult:
+        eps, latest = _restore_args(episode_ids, latest)
         res: RestoreResult = await self._async(
             "restore",
             str(checkpoint_dir),
-            episodes(episode_ids),
+            eps,
             resume,
             allow_without_gym_manifest=allow_without_gym_manifest,
+            latest=latest,
         )
         return res
+
+    # --- periodic checkpoints, listing, retention --------------------------------
+    def start_periodic(
+        self,
+        root: str,
+        *,
+        every_s: float,
+        keep_latest_k: int | None = None,
+        prefix: str = DEFAULT_PREFIX,
+    ) -> PeriodicStatus:
+        """Checkpoint every `every_s` into `<root>/<prefix><UTC time>` (scope: the
+        assembler's `scope_method`, else every episode), keeping the
+        `keep_latest_k` newest complete ones.  One loop at a time: another
+        while one runs is `CheckpointConflict` (the same one again is a no-op)."""
+        res: PeriodicStatus = self._sync(
+            "start_periodic", str(root), every_s, keep_latest_k, prefix
+        )
+        return res
+
+    async def astart_periodic(
+        self,
+        root: str,
+        *,
+        every_s: float,
+        keep_latest_k: int | None = None,
+        prefix: str = DEFAULT_PREFIX,
+    ) -> PeriodicStatus:
+        res: PeriodicStatus = await self._async(
+            "start_periodic", str(root), every_s, keep_latest_k, prefix
+        )
+        return res
+
+    def stop_periodic(self) -> PeriodicStatus | None:
+        """Stop after the checkpoint in flight; the final counts (None if none ran)."""
+        res: PeriodicStatus | None = self._sync("stop_periodic")
+        return res
+
+    async def astop_periodic(self) -> PeriodicStatus | None:
+        res: PeriodicStatus | None = await self._async("stop_periodic")
+        return res
+
+    def list_checkpoints(self, root: str) -> list[CheckpointEntry]:
+        """The checkpoints under `root`, oldest first (read here, not by the coordinator)."""
+        return roots.list_root(str(root))
+
+    def gc(
+        self, root: str, *, keep: int, dry_run: bool = False, grace_s: float = DEFAULT_GRACE_S
+    ) -> GcPlan:
+        """Keep the `keep` newest complete checkpoints under `root` (see
+        `ray_ckpt.storage.retention`); `dry_run` only plans."""
+        return roots.gc_root(str(root), keep, dry_run=dry_run, grace_s=grace_s)
 
     def retire(self, rollout: str, attempt: int = 0) -> RetireResult:
         res: RetireResult = self._sync("retire", [EpisodeId(rollout, attempt)])
@@ -287,59 +352,3 @@ class CoordinatorHandle:
     async def aping(self) -> str | None:
         res: str | None = await self._async("ping")
         return res
-
-
-def connect(
-    namespace: str = "ray-ckpt",
-    address: str | None = "auto",
-    *,
-    create: bool = True,
-    name: str = COORDINATOR_NAME,
-    **coordinator_options: Any,
-) -> CoordinatorHandle:
-    """Attach to Ray (only if not yet initialised) and get the named coordinator.
-
-    `address`: "auto" attaches to a running cluster, None starts a local one,
-    anything else is a cluster address.  `create=False` only finds one.
-    """
-    import ray
-
-    if not namespace:
-        raise ValueError("connect needs an explicit namespace")
-    if not ray.is_initialized():
-        ray.init(
-            address=address, namespace=namespace, ignore_reinit_error=True, log_to_driver=False
-        )
-    if create:
-        actor = _live_coordinator(namespace, name, coordinator_options)
-    else:
-        try:
-            actor = ray.get_actor(name, namespace=namespace)
-        except ValueError:
-            raise ParticipantUnavailable(
-                f"no coordinator {name!r} in namespace {namespace!r}"
-            ) from None
-    return CoordinatorHandle(actor, namespace)
-
-
-def _live_coordinator(namespace: str, name: str, options: dict[str, Any]) -> Any:
-    """Get or create the coordinator and make sure it answers.
-
-    A coordinator that is not detached dies with the driver that created it
-    (e.g. an earlier `ray-ckpt` command); for a moment after, `get_if_exists`
-    can still hand out the dying actor.  Retry until a live one answers.
-    """
-    import ray
-    from ray.exceptions import RayActorError
-
-    for _ in range(_CONNECT_TRIES - 1):
-        actor = get_or_create_coordinator(namespace, name=name, **options)
-        try:
-            ray.get(actor.ping.remote(), timeout=60)
-            return actor
-        except RayActorError:
-            time.sleep(0.25)
-    return get_or_create_coordinator(namespace, name=name, **options)
-
-
-_CONNECT_TRIES = 40

@@ -120,9 +120,33 @@ class ParticipantStatus(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None
 
 
+class PeriodicStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """The periodic checkpoint loop (`coordination.periodic`): its settings,
+    counts, and the last checkpoint and error."""
+
+    root: str
+    every_s: float
+    keep_latest_k: int | None
+    running: bool
+    started_at: float
+    next_at: float | None = None
+    attempts: int = 0
+    completed: int = 0
+    failed: int = 0
+    consecutive_failures: int = 0
+    last_name: str | None = None
+    last_checkpoint_id: str | None = None
+    last_completed_at: float | None = None
+    # {"code", "detail", "name", "at"} of the last failed checkpoint.
+    last_error: dict[str, Any] | None = None
+    deleted: int = 0  # checkpoints retention removed
+    last_retention_error: dict[str, Any] | None = None
+
+
 class CoordinatorStatus(msgspec.Struct, frozen=True, kw_only=True):
     open_checkpoint: str | None
     phase: str | None
     pause_mode: str
     controllers: list[str]
     participants: list[ParticipantStatus]
+    periodic: PeriodicStatus | None = None

@@ -1,0 +1,66 @@
+"""How the `Coordinator` actor is named, created and found: one per namespace.
+
+Separate from the actor class so the handle and tools can ask for the
+coordinator without importing what it runs.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+from ray_ckpt.errors import InvalidRequest
+
+COORDINATOR_NAME = "ray-ckpt-coordinator"
+MAX_CONCURRENCY = 1000
+
+
+def default_state_dir(namespace: str, name: str = COORDINATOR_NAME) -> str:
+    return os.path.join(tempfile.gettempdir(), "ray-ckpt", namespace, name)
+
+
+def coordinator_options(
+    namespace: str, *, name: str = COORDINATOR_NAME, detached: bool = False
+) -> dict[str, Any]:
+    if not namespace:
+        raise InvalidRequest("the coordinator needs an explicit Ray namespace")
+    opts: dict[str, Any] = {
+        "name": name,
+        "namespace": namespace,
+        "get_if_exists": True,
+        "num_cpus": 0,
+        "max_restarts": -1,
+        # A call in flight when the coordinator dies fails to its caller; the
+        # restarted coordinator aborts the checkpoint, the caller starts anew.
+        "max_task_retries": 0,
+        "max_concurrency": MAX_CONCURRENCY,
+    }
+    if detached:
+        opts["lifetime"] = "detached"
+    return opts
+
+
+def get_or_create_coordinator(
+    namespace: str,
+    *,
+    name: str = COORDINATOR_NAME,
+    detached: bool = False,
+    state_dir: str | None = None,
+    timeouts: dict[str, float] | None = None,
+    pause_mode: str = "full",
+    auto_discover: bool = True,
+) -> Any:
+    """The named coordinator of `namespace` (created if missing); an actor handle."""
+    import ray
+
+    from coordination.coordinator import Coordinator
+
+    actor_cls = ray.remote(Coordinator)
+    return actor_cls.options(**coordinator_options(namespace, name=name, detached=detached)).remote(
+        namespace,
+        state_dir=state_dir or default_state_dir(namespace, name),
+        timeouts=timeouts,
+        pause_mode=pause_mode,
+        auto_discover=auto_discover,
+    )

@@ -1,0 +1,75 @@
+"""Attach to Ray and get the namespace's coordinator: `connect`.
+
+Kept apart from the handle class so attaching (Ray init, get-or-create, the
+retry around a dying coordinator) reads on its own; `coordination.handle`
+re-exports `connect`, its usual import.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from coordination.actor_options import COORDINATOR_NAME, get_or_create_coordinator
+from ray_ckpt.errors import ParticipantUnavailable
+
+if TYPE_CHECKING:
+    from coordination.handle import CoordinatorHandle
+
+
+def connect(
+    namespace: str = "ray-ckpt",
+    address: str | None = "auto",
+    *,
+    create: bool = True,
+    name: str = COORDINATOR_NAME,
+    **coordinator_options: Any,
+) -> CoordinatorHandle:
+    """Attach to Ray (only if not yet initialised) and get the named coordinator.
+
+    `address`: "auto" attaches to a running cluster, None starts a local one,
+    anything else is a cluster address.  `create=False` only finds one.
+    """
+    import ray
+
+    from coordination.handle import CoordinatorHandle
+
+    if not namespace:
+        raise ValueError("connect needs an explicit namespace")
+    if not ray.is_initialized():
+        ray.init(
+            address=address, namespace=namespace, ignore_reinit_error=True, log_to_driver=False
+        )
+    if create:
+        actor = _live_coordinator(namespace, name, coordinator_options)
+    else:
+        try:
+            actor = ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            raise ParticipantUnavailable(
+                f"no coordinator {name!r} in namespace {namespace!r}"
+            ) from None
+    return CoordinatorHandle(actor, namespace)
+
+
+def _live_coordinator(namespace: str, name: str, options: dict[str, Any]) -> Any:
+    """Get or create the coordinator and make sure it answers.
+
+    A coordinator that is not detached dies with the driver that created it
+    (e.g. an earlier `ray-ckpt` command); for a moment after, `get_if_exists`
+    can still hand out the dying actor.  Retry until a live one answers.
+    """
+    import ray
+    from ray.exceptions import RayActorError
+
+    for _ in range(_CONNECT_TRIES - 1):
+        actor = get_or_create_coordinator(namespace, name=name, **options)
+        try:
+            ray.get(actor.ping.remote(), timeout=60)
+            return actor
+        except RayActorError:
+            time.sleep(0.25)
+    return get_or_create_coordinator(namespace, name=name, **options)
+
+
+_CONNECT_TRIES = 40

@@ -1,0 +1,121 @@
+"""The coordinator's storage glue: up-front location checks, `LATEST`, `latest`.
+
+- Every location a call names is checked before anyone is paused
+  (`writable`, `readable`): a relative path, an unknown scheme or a location
+  that cannot be reached costs an `InvalidRequest` naming it, not a prepare
+  and an abort.  The check runs where the coordinator runs; a participant on
+  another node that still cannot reach it fails its commit, which aborts.
+- After the Gym manifest (the commit point) the checkpoint's parent gets a
+  `LATEST` naming it (`write_gym_manifest_and_latest`, the coordinator's
+  default manifest writer).
+- `restore(root, latest=True)` resolves to the checkpoint `latest` picks, and
+  a restore without episodes takes every episode the checkpoint lists.
+
+Each blocking step runs in a thread: the coordinator's loop never waits on
+storage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from coordination.manifests import write_gym_manifest_from_replies
+from ray_ckpt.errors import CheckpointError, InvalidRequest
+from ray_ckpt.identity import EpisodeId
+from ray_ckpt.storage.catalog import (
+    CheckpointEntry,
+    latest_location,
+    scan,
+    scan_one,
+    split_location,
+    write_latest_for,
+)
+from ray_ckpt.storage.locations import check_location, open_location
+from ray_ckpt.storage.retention import DEFAULT_GRACE_S, GcPlan, collect
+
+log = logging.getLogger(__name__)
+
+
+def write_gym_manifest_and_latest(
+    checkpoint_dir: str, checkpoint_id: str, manifests: list[dict[str, Any]]
+) -> Any:
+    """The Gym manifest, then `<parent>/LATEST` naming the checkpoint.
+
+    The checkpoint is complete once the Gym manifest is written, so a `LATEST`
+    that cannot be written is logged, never a failed checkpoint: `latest`
+    then falls back to the newest complete checkpoint by time."""
+    gym = write_gym_manifest_from_replies(checkpoint_dir, checkpoint_id, manifests)
+    try:
+        write_latest_for(checkpoint_dir, checkpoint_id)
+    except (CheckpointError, OSError) as exc:
+        log.warning("checkpoint %s is complete; LATEST not updated: %s", checkpoint_dir, exc)
+    return gym
+
+
+async def writable(location: str) -> None:
+    """Refuse (`InvalidRequest` naming it) a location a checkpoint cannot be written to."""
+    await asyncio.to_thread(check_location, location, for_write=True)
+
+
+async def readable(location: str) -> None:
+    await asyncio.to_thread(check_location, location, for_write=False)
+
+
+async def restore_target(
+    location: str, episode_ids: Sequence[EpisodeId] | None, *, latest: bool
+) -> tuple[str, list[EpisodeId]]:
+    """(checkpoint location, episodes) of a restore: `latest` reads `location`
+    as a root; no episodes means every episode the checkpoint lists.
+
+    A plain restore checks that the checkpoint's parent can be read: an
+    unreachable location is refused here, while a checkpoint simply absent
+    under a readable parent is the restore's own typed "missing Gym
+    manifest" failure, as before."""
+    await readable(location if latest else _parent_or_self(location))
+    return await asyncio.to_thread(_restore_target, location, episode_ids, latest)
+
+
+def _parent_or_self(location: str) -> str:
+    open_location(location)  # a relative path or an unknown scheme: refused as named
+    try:
+        return split_location(location)[0]
+    except InvalidRequest:
+        return location
+
+
+def _restore_target(
+    location: str, episode_ids: Sequence[EpisodeId] | None, latest: bool
+) -> tuple[str, list[EpisodeId]]:
+    if latest:
+        where, picked = latest_location(location, open_location(location))
+    elif episode_ids is not None:
+        return location, list(episode_ids)
+    else:
+        parent, name = split_location(location)
+        where, picked = location, scan_one(open_location(parent), name)
+    if episode_ids is not None:
+        return where, list(episode_ids)
+    if picked.episode_keys is None:
+        raise InvalidRequest(
+            f"the participant manifests of {where} do not list their episodes: name them"
+        )
+    return where, [EpisodeId.from_capture_key(k) for k in picked.episode_keys]
+
+
+async def retain(root: str, keep: int, grace_s: float = DEFAULT_GRACE_S) -> GcPlan:
+    """Apply `keep_latest_k` under `root` (the periodic loop's, after a checkpoint)."""
+    return await asyncio.to_thread(lambda: collect(open_location(root), keep, grace_s=grace_s))
+
+
+def list_root(root: str) -> list[CheckpointEntry]:
+    """`ray-ckpt list`: the checkpoints under `root`, oldest first."""
+    return scan(check_location(root, for_write=False)).entries
+
+
+def gc_root(root: str, keep: int, *, dry_run: bool, grace_s: float = DEFAULT_GRACE_S) -> GcPlan:
+    """`ray-ckpt gc`: retention by hand."""
+    blobs = check_location(root, for_write=False)
+    return collect(blobs, keep, dry_run=dry_run, grace_s=grace_s)
