@@ -126,7 +126,7 @@ async def test_one_loop_at_a_time() -> None:
     assert again.root == "/ckpt"
     for kwargs in ({"every_s": 5.0, "keep_latest_k": 3}, {"every_s": 10, "keep_latest_k": 1}):
         with pytest.raises(CheckpointConflict, match="already runs under '/ckpt'"):
-            h.runner.start("/ckpt", **kwargs)  # type: ignore[arg-type]
+            h.runner.start("/ckpt", **kwargs)
     with pytest.raises(CheckpointConflict):
         h.runner.start("/other", every_s=10, keep_latest_k=3)
     await h.runner.stop()
