@@ -11,7 +11,15 @@ over several repetitions (medians reported):
 - `fanout_s`: one parallel fan-out of that no-op to all P hosts.
 
 `cycle_over_fanout` = cycle_s / (9 * fanout_s): nine sequential group steps.
-Progress goes to stderr; `--json` prints `{"runs": [...]}` as the last line.
+
+`--simulated N` measures the coordinator's own cost past what one machine
+can host (`benchmarks/coordination_sim.py`): a real `CoordinatorCore` against
+N in-process fake hosts, `coordinator_us_per_participant` for a full cycle
+(goal <= 300 us), and the same at each `--scaling` size to show the growth is
+linear.  With `--simulated` and no `--participants`, no Ray is started.
+
+Progress goes to stderr; `--json` prints `{"runs": [...]}` (plus `simulated`,
+`simulated_scaling` and `simulated_growth` with `--simulated`) as the last line.
 """
 
 from __future__ import annotations
@@ -168,13 +176,37 @@ def run_one(p: int, reps: int, workdir: str) -> dict[str, float | int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--participants", default="4,16,64", help="comma-separated P values")
+    ap.add_argument(
+        "--participants",
+        default=None,
+        help="P values of real host actors (default 4,16,64; none with --simulated)",
+    )
+    ap.add_argument(
+        "--simulated",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also drive a real CoordinatorCore against N in-process fake hosts",
+    )
+    ap.add_argument(
+        "--scaling",
+        default="100,1000,5000",
+        help="with --simulated: the sizes that show how the cost grows",
+    )
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions (>= 3)")
     ap.add_argument("--address", default=None, help="attach to a cluster instead of a local one")
     ap.add_argument("--json", action="store_true", help='last line: {"runs": [...]}')
     args = ap.parse_args(argv)
-    sizes = [int(x) for x in args.participants.split(",") if x]
+    default = "" if args.simulated else "4,16,64"
+    sizes = [int(x) for x in (args.participants or default).split(",") if x]
     reps = max(args.reps, 3)
+    out: dict[str, Any] = {}
+    if args.simulated:
+        out = simulated(args.simulated, [int(x) for x in args.scaling.split(",") if x], reps)
+    if not sizes:
+        if args.json:
+            print(json.dumps({"runs": [], **out}))
+        return 0
 
     import ray
 
@@ -207,8 +239,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(line, file=sys.stderr if args.json else sys.stdout)
     if args.json:
-        print(json.dumps({"runs": runs}))
+        print(json.dumps({"runs": runs, **out}))
     return 0
+
+
+def simulated(n: int, scaling: list[int], reps: int) -> dict[str, Any]:
+    """`{"simulated": {...}, "simulated_scaling": [...]}`, with a table on stderr."""
+    from benchmarks.coordination_sim import run
+
+    sizes = sorted({n, *scaling})
+    rows = {int(r["participants"]): r for r in run(sizes, reps, progress)}
+    progress(f"{'N':>6}  {'cycle ms':>9}  {'hosts ms':>9}  {'coordinator us/participant':>27}")
+    for size in sizes:
+        r = rows[size]
+        progress(
+            f"{size:>6}  {r['cycle_s'] * 1e3:>9.1f}  {r['hosts_s'] * 1e3:>9.1f}  "
+            f"{r['coordinator_us_per_participant']:>27.1f}"
+        )
+    first, last = rows[sizes[0]], rows[sizes[-1]]
+    growth = float(last["coordinator_us_per_participant"]) / max(
+        float(first["coordinator_us_per_participant"]), 1e-9
+    )
+    progress(
+        f"per-participant cost at N={sizes[-1]} over N={sizes[0]}: {growth:.2f}x "
+        "(1.0 = linear total; a quadratic step would grow with N)"
+    )
+    main_row = rows[n]
+    return {
+        "simulated": {
+            "participants": n,
+            "cycle_s": main_row["cycle_s"],
+            "coordinator_us_per_participant": main_row["coordinator_us_per_participant"],
+        },
+        "simulated_scaling": [rows[s] for s in sizes],
+        "simulated_growth": growth,
+    }
 
 
 if __name__ == "__main__":
