@@ -29,16 +29,18 @@ def write_gym_manifest_from_replies(
 
 def read_listed(checkpoint_dir: str) -> tuple[str | None, set[tuple[str, str]]]:
     from ray_ckpt.errors import InvalidCheckpointState
-    from ray_ckpt.storage import read_gym_manifest
-    from ray_ckpt.storage.gym_manifest import gym_manifest_path
+    from ray_ckpt.storage import open_location, read_gym_manifest
+    from ray_ckpt.storage.blobs import blob_name
+    from ray_ckpt.storage.gym_manifest import GYM_MANIFEST_KEY, has_gym_manifest
 
-    if not gym_manifest_path(checkpoint_dir).exists():
+    blobs = open_location(checkpoint_dir)
+    if not has_gym_manifest(blobs):
         raise InvalidCheckpointState(
-            f"missing Gym manifest {gym_manifest_path(checkpoint_dir)}: checkpoint incomplete "
+            f"missing Gym manifest {blob_name(blobs, GYM_MANIFEST_KEY)}: checkpoint incomplete "
             "or absent (a checkpoint NeMo Gym's controller wrote has none: restore it with "
             "allow_without_gym_manifest=True, `ray-ckpt restore --without-gym-manifest`)"
         )
-    gym = read_gym_manifest(checkpoint_dir)
+    gym = read_gym_manifest(blobs)
     return gym.checkpoint_id, {(e.kind, e.instance) for e in gym.participants}
 
 
@@ -47,9 +49,11 @@ def read_listed_or_participants(checkpoint_dir: str) -> tuple[str | None, set[tu
     manifest when there is one, else the participant manifests themselves —
     what NeMo Gym's controller leaves (it writes no Gym manifest), each
     complete and all of one checkpoint ID (`read_participant_manifests`)."""
-    from ray_ckpt.storage.gym_manifest import gym_manifest_path, read_participant_manifests
+    from ray_ckpt.storage import open_location
+    from ray_ckpt.storage.gym_manifest import has_gym_manifest, read_participant_manifests
 
-    if gym_manifest_path(checkpoint_dir).exists():
+    blobs = open_location(checkpoint_dir)
+    if has_gym_manifest(blobs):
         return read_listed(checkpoint_dir)
-    cid, found = read_participant_manifests(checkpoint_dir)
+    cid, found = read_participant_manifests(blobs)
     return cid, set(found)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import re
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import msgspec
@@ -69,10 +69,17 @@ class Blobs(Protocol):
         """Atomically set a small object (readers see the old or the new)."""
         ...
 
-    def upload(self, key: str) -> contextlib.AbstractContextManager[Upload]:
+    def upload(
+        self, key: str, *, before_publish: Callable[[], object] | None = None
+    ) -> contextlib.AbstractContextManager[Upload]:
         """Stream a new object: visible whole at `key` on a clean exit, never
         partly; on an exception nothing is published.  A taken key raises
-        `InvalidCheckpointState`."""
+        `InvalidCheckpointState`.
+
+        `before_publish` runs on the caller's thread at the exit, once every
+        byte is stored (fsynced; or sent, short of completing the upload) and
+        just before the object becomes visible: if it raises, nothing is
+        published.  A `WriteStop` takes its lock there."""
         ...
 
     def list(self, prefix: str = "") -> list[BlobInfo]:
@@ -82,6 +89,10 @@ class Blobs(Protocol):
 
     def delete(self, keys: Sequence[str]) -> None:
         """Delete in batches; keys already gone are fine."""
+        ...
+
+    def info(self, key: str) -> BlobInfo:
+        """Size and time of one object; `BlobMissing` if absent."""
         ...
 
     def exists(self, key: str) -> bool: ...
@@ -110,6 +121,12 @@ def temp_key(key: str) -> str:
 def is_temp(key: str) -> bool:
     """True for a key `temp_key` made: a write in flight or left by a crash."""
     return _TEMP_RE.fullmatch(key.rpartition("/")[2]) is not None
+
+
+def blob_name(blobs: Blobs, key: str) -> str:
+    """`key` under the user's location, for messages: `/ck/gym/a/0/manifest.json`,
+    `s3://bucket/run/gym/a/0/manifest.json`."""
+    return f"{blobs.url.rstrip('/')}/{key}"
 
 
 SCHEMES = ("file", "s3", "gs")

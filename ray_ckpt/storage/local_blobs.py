@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.storage import durable
@@ -93,7 +93,9 @@ class LocalBlobs:
         durable.fsync_dir(final.parent)
 
     @contextlib.contextmanager
-    def upload(self, key: str) -> Iterator[_FileUpload]:
+    def upload(
+        self, key: str, *, before_publish: Callable[[], object] | None = None
+    ) -> Iterator[_FileUpload]:
         final = self.path(key)
         durable.ensure_dir(final.parent)
         tmp = self.root / temp_key(key)
@@ -104,6 +106,8 @@ class LocalBlobs:
                 durable.fsync_fd(fd, str(tmp))
             finally:
                 os.close(fd)
+            if before_publish is not None:
+                before_publish()
             try:
                 os.link(tmp, final)
             except FileExistsError:
@@ -133,6 +137,15 @@ class LocalBlobs:
         for parent in sorted(parents):
             with contextlib.suppress(FileNotFoundError):
                 durable.fsync_dir(parent)
+
+    def info(self, key: str) -> BlobInfo:
+        path = self.path(key)
+        try:
+            if not path.is_file():
+                raise FileNotFoundError(key)
+            return self._info(path)
+        except FileNotFoundError:
+            raise BlobMissing(f"{self._where(key)} is missing") from None
 
     def exists(self, key: str) -> bool:
         return self.path(key).is_file()

@@ -13,6 +13,7 @@ import os
 import pathlib
 import urllib.parse
 
+from ray_ckpt.errors import CheckpointError, InvalidRequest
 from ray_ckpt.storage import durable
 from ray_ckpt.storage.blobs import SCHEMES, Blobs, refuse, temp_key
 from ray_ckpt.storage.local_blobs import LocalBlobs
@@ -57,34 +58,71 @@ def _file_path(text: str) -> pathlib.Path:
 
 
 def _object_store(text: str) -> Blobs:
-    raise refuse(text, "needs the object-store backend, which is not installed")
+    parts = urllib.parse.urlsplit(text)
+    if not parts.netloc:
+        raise refuse(text, "names no bucket")
+    if parts.query or parts.fragment:
+        raise refuse(text, "holds a query or fragment")
+    if any(p in (".", "..") for p in parts.path.split("/")):
+        raise refuse(text, "holds '.' or '..' in its prefix")
+    # Imported here: only object-store locations pay for the client.
+    from obstore.store import from_url
+
+    from ray_ckpt.storage.object_blobs import ObjectBlobs, store_error
+
+    try:
+        store = from_url(text)
+    except Exception as exc:
+        raise store_error(text, "opened", exc) from exc
+    return ObjectBlobs(text, store)
 
 
 def check_location(location: str | os.PathLike[str], *, for_write: bool) -> Blobs:
     """Open `location` and prove it usable now; the coordinator calls this
-    before it pauses anyone, so a typo costs nothing.
+    before it pauses anyone, so a typo or an unreachable store costs nothing.
 
-    For a write, the root is created if missing and a probe object (a temp
-    key, so a crash mid-probe leaves only collectable garbage) is created and
-    deleted.  For a read, the root must exist.  An unusable location raises
-    `InvalidRequest` naming it; a transient failure `ParticipantUnavailable`.
+    For a write, the root is created if missing (on disk) and a probe object
+    (a temp key, so a crash mid-probe leaves only collectable garbage) is
+    created and deleted.  For a read, something must be there: the directory
+    (disk) or at least one object under the prefix (store).  Any failure is
+    `InvalidRequest` naming the location and the reason: whether it would
+    heal or not, nobody should be paused for a checkpoint that cannot land.
     """
     blobs = open_location(location)
-    if isinstance(blobs, LocalBlobs):
-        _check_local(blobs, for_write=for_write)
+    action = "written" if for_write else "read"
+    try:
+        with directory_errors(blobs.url, action):
+            if isinstance(blobs, LocalBlobs):
+                _check_local(blobs, for_write=for_write)
+            else:
+                _check_store(blobs, for_write=for_write)
+    except InvalidRequest:
+        raise
+    except CheckpointError as exc:
+        raise InvalidRequest(f"{exc.detail} (checked before the checkpoint)") from exc
     return blobs
+
+
+def _probe(blobs: Blobs) -> None:
+    probe = temp_key("probe")
+    if blobs.create(probe, b"") is not None:
+        raise refuse(blobs.url, "cannot be written: probe name taken")
+    blobs.delete([probe])
 
 
 def _check_local(blobs: LocalBlobs, *, for_write: bool) -> None:
     if for_write:
-        with directory_errors(blobs.url, "written"):
-            durable.ensure_dir(blobs.root)
-            probe = temp_key("probe")
-            if blobs.create(probe, b"") is not None:
-                raise refuse(blobs.url, "cannot be written: probe name taken")
-            blobs.delete([probe])
+        durable.ensure_dir(blobs.root)
+        _probe(blobs)
         return
-    with directory_errors(blobs.url, "read"):
-        if not blobs.root.is_dir():
-            raise refuse(blobs.url, "cannot be read: it is not an existing directory")
-        os.listdir(blobs.root)
+    if not blobs.root.is_dir():
+        raise refuse(blobs.url, "cannot be read: it is not an existing directory")
+    os.listdir(blobs.root)
+
+
+def _check_store(blobs: Blobs, *, for_write: bool) -> None:
+    if for_write:
+        _probe(blobs)
+        return
+    if not blobs.list():
+        raise refuse(blobs.url, "cannot be read: it holds nothing")

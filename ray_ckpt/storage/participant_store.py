@@ -1,161 +1,82 @@
-"""One participant's checkpoint: a streamed records file, then its manifest.
+"""One participant's checkpoint: a streamed records object, then its manifest.
 
-Layout: ``<dir>/gym/<kind>/<instance>/records-<sha256>.msgpack`` and
-``manifest.json``.  The manifest is the commit point: it is created last and
-never replaced, so no manifest means "not committed", and a manifest always
-names a complete, fsynced records file.  Reads verify the digest, size and
-count over the whole file in one streaming pass and decode only the records
-the caller keeps.
+Layout: ``<location>/gym/<kind>/<instance>/records-<token>.msgpack`` and
+``manifest.json`` (`participant_manifest`).  The manifest is the commit
+point: it is created last and never replaced, so no manifest means "not
+committed", and a manifest always names a complete records object.
+
+How the disk steps map onto an object store (the `Blobs` backends keep them):
+
+- the records are streamed into a temp file that is fsynced and then
+  hard-linked to its name; on a store they go up as a multipart upload that
+  only `CompleteMultipartUpload` makes visible, whole.  A crash before that
+  leaves a temp file (disk) or an incomplete upload (store, invisible to
+  readers and listings), never a partial object under the final name;
+- the manifest is created with a create-only hard link and a directory
+  fsync on disk, with a conditional put (`If-None-Match: *`) on a store: of
+  two writers exactly one creates it, and the other learns what is there;
+- the records name must be fixed before a multipart upload starts, so it is
+  a fresh random token, not the digest (the manifest keeps the digest).  A
+  fresh name never collides, so the upload needs no create-only guarantee;
+  older digest-named files are still read.
+
+Reads verify the digest, size and count over the whole object in one
+streaming pass and decode only the records the caller keeps.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import pathlib
-import re
 import uuid
 from collections.abc import Callable, Iterable
 
 import msgspec
 
-from ray_ckpt.errors import CheckpointError, InvalidCheckpointState
-from ray_ckpt.identity import ID_PATTERN, EpisodeId
-from ray_ckpt.storage import durable
+from ray_ckpt.errors import InvalidCheckpointState
+from ray_ckpt.storage.blobs import BlobMissing, Blobs, blob_name
 from ray_ckpt.storage.durable import WriteStop
-from ray_ckpt.storage.pipeline import CHUNK, HashingReader, HashingWriter
+from ray_ckpt.storage.participant_manifest import (
+    DIGEST_ALGO,
+    MANIFEST_NAME,
+    RECORDS_RE,
+    SCHEMA_VERSION,
+    ParticipantManifest,
+    Where,
+    blobs_of,
+    check_name,
+    decode_manifest,
+    encode_manifest,
+    load_manifest,
+    manifest_bytes,
+    participant_dir,
+    participant_key,
+)
+from ray_ckpt.storage.pipeline import HashingReader, HashingWriter
 from ray_ckpt.storage.record import Record
-from ray_ckpt.storage.records_format import FORMAT, FRAME, MAGIC, StateEncoder, decode_state
+from ray_ckpt.storage.records_format import FORMAT
+from ray_ckpt.storage.records_io import encode_records, parse_records
 
-SCHEMA_VERSION = 1
-DIGEST_ALGO = "sha256"
-MANIFEST_NAME = "manifest.json"
-_NAME_RE = re.compile(ID_PATTERN)
-_RECORDS_RE = re.compile(r"records-[0-9a-f]{64}\.msgpack")  # always fullmatch
-
-
-class ParticipantManifest(msgspec.Struct, frozen=True):
-    """What a committed participant checkpoint holds; written last."""
-
-    schema_version: int
-    checkpoint_id: str
-    kind: str
-    instance: str
-    records_file: str
-    digest_algo: str
-    digest: str
-    record_count: int
-    episodes: list[str]  # capture keys, sorted
-    bytes: int
-    format: str
-
-
-class _Versioned(msgspec.Struct):
-    schema_version: int
-
-
-def encode_manifest(manifest: msgspec.Struct) -> bytes:
-    return msgspec.json.format(msgspec.json.encode(manifest), indent=1) + b"\n"
-
-
-def check_name(what: str, name: str) -> str:
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or len(name) > 255:
-        raise InvalidCheckpointState(f"bad {what} name {name!r}: must match {ID_PATTERN}")
-    return name
-
-
-def participant_dir(
-    checkpoint_dir: str | os.PathLike[str], kind: str, instance: str
-) -> pathlib.Path:
-    """``<dir>/gym/<kind>/<instance>``; names that could escape it are refused."""
-    return (
-        pathlib.Path(checkpoint_dir)
-        / "gym"
-        / check_name("kind", kind)
-        / check_name("instance", instance)
-    )
-
-
-def decode_manifest(data: bytes, where: str) -> ParticipantManifest:
-    try:
-        version = msgspec.json.decode(data, type=_Versioned).schema_version
-    except msgspec.DecodeError as exc:
-        raise InvalidCheckpointState(f"corrupt manifest {where}: {exc}") from exc
-    if version != SCHEMA_VERSION:
-        raise InvalidCheckpointState(f"unknown manifest schema version {version} in {where}")
-    try:
-        manifest = msgspec.json.decode(data, type=ParticipantManifest)
-    except msgspec.DecodeError as exc:
-        raise InvalidCheckpointState(f"corrupt manifest {where}: {exc}") from exc
-    if manifest.format != FORMAT:
-        raise InvalidCheckpointState(f"unknown records format {manifest.format!r} in {where}")
-    if manifest.digest_algo != DIGEST_ALGO:
-        raise InvalidCheckpointState(f"unknown digest {manifest.digest_algo!r} in {where}")
-    if not _RECORDS_RE.fullmatch(manifest.records_file):
-        raise InvalidCheckpointState(f"bad records file name {manifest.records_file!r} in {where}")
-    return manifest
-
-
-def manifest_bytes(
-    checkpoint_dir: str | os.PathLike[str], kind: str, instance: str
-) -> tuple[pathlib.Path, bytes]:
-    """The path and exact bytes of one participant's manifest (missing: not committed)."""
-    path = participant_dir(checkpoint_dir, kind, instance) / MANIFEST_NAME
-    try:
-        return path, path.read_bytes()
-    except FileNotFoundError:
-        raise InvalidCheckpointState(f"missing manifest {path}: not committed") from None
-
-
-def load_manifest(
-    checkpoint_dir: str | os.PathLike[str],
-    *,
-    kind: str,
-    instance: str,
-    checkpoint_id: str | None,
-    read: tuple[pathlib.Path, bytes] | None = None,
-) -> ParticipantManifest:
-    """The validated manifest of one participant (no records read).
-
-    `read` is what `manifest_bytes` already returned, so a caller that hashed
-    those bytes validates the same ones instead of reading the file again.
-    """
-    path, data = read or manifest_bytes(checkpoint_dir, kind, instance)
-    manifest = decode_manifest(data, str(path))
-    if (manifest.kind, manifest.instance) != (kind, instance):
-        raise InvalidCheckpointState(
-            f"manifest {path} is for {manifest.kind}/{manifest.instance}, not {kind}/{instance}"
-        )
-    if checkpoint_id is not None and manifest.checkpoint_id != checkpoint_id:
-        raise InvalidCheckpointState(
-            f"manifest {path} is for checkpoint {manifest.checkpoint_id!r}, not {checkpoint_id!r}"
-        )
-    return manifest
-
-
-def _encode_records(writer: HashingWriter, records: Iterable[Record], stop: WriteStop) -> list[str]:
-    encoder = StateEncoder()
-    keys: list[str] = []
-    buf = bytearray(MAGIC)
-    for rec in records:
-        stop.check()
-        try:
-            EpisodeId.from_capture_key(rec.key)
-            encoder.append(buf, rec.key, rec.state)
-        except (CheckpointError, TypeError, ValueError, OverflowError) as exc:
-            raise InvalidCheckpointState(f"episode {rec.key}: cannot store state: {exc}") from exc
-        keys.append(rec.key)
-        if len(buf) >= CHUNK:
-            writer.put(buf)
-            buf = bytearray()
-    writer.put(buf)
-    if len(set(keys)) != len(keys):
-        raise InvalidCheckpointState("records repeat a capture key")
-    return keys
+__all__ = [
+    "DIGEST_ALGO",
+    "MANIFEST_NAME",
+    "RECORDS_RE",
+    "SCHEMA_VERSION",
+    "ParticipantManifest",
+    "check_name",
+    "decode_manifest",
+    "encode_manifest",
+    "load_manifest",
+    "manifest_bytes",
+    "participant_dir",
+    "participant_key",
+    "read_participant",
+    "read_records",
+    "write_participant",
+]
 
 
 def write_participant(
-    checkpoint_dir: str | os.PathLike[str],
+    checkpoint_dir: Where,
     *,
     kind: str,
     instance: str,
@@ -163,181 +84,150 @@ def write_participant(
     records: Iterable[Record],
     stop: WriteStop | None = None,
 ) -> ParticipantManifest:
-    """Durably write the records, then create the manifest; return it.
+    """Stream the records, then create the manifest; return it.
 
     An identical recommit returns the existing manifest; a different commit
-    into the same directory raises `InvalidCheckpointState`.
+    into the same place raises `InvalidCheckpointState`.
     """
     stop = stop or WriteStop()
     if not isinstance(checkpoint_id, str) or not checkpoint_id:
         raise InvalidCheckpointState(f"bad checkpoint id {checkpoint_id!r}")
-    pdir = participant_dir(checkpoint_dir, kind, instance)
+    blobs = blobs_of(checkpoint_dir)
+    pkey = participant_key(kind, instance)
     stop.check()
     prior: ParticipantManifest | None = None
-    with contextlib.suppress(InvalidCheckpointState):  # absent or unreadable: decided at link
-        prior = load_manifest(checkpoint_dir, kind=kind, instance=instance, checkpoint_id=None)
-    if prior is not None and prior.checkpoint_id != checkpoint_id:
-        raise _conflict(pdir, prior)  # fail fast, before writing any records
-    durable.ensure_dir(pdir)
-    tmp = pdir / f".records.{uuid.uuid4().hex}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        writer = HashingWriter(fd)
-        try:
-            keys = _encode_records(writer, records, stop)
-        finally:
-            digest = writer.close()
-        durable.fsync_fd(fd, str(tmp))
-    except BaseException:
-        os.close(fd)
-        durable.unlink_quietly(tmp)
-        raise
-    os.close(fd)
-    manifest = ParticipantManifest(
-        schema_version=SCHEMA_VERSION,
-        checkpoint_id=checkpoint_id,
-        kind=kind,
-        instance=instance,
-        records_file=f"records-{digest}.msgpack",
-        digest_algo=DIGEST_ALGO,
-        digest=digest,
-        record_count=len(keys),
-        episodes=sorted(keys),
-        bytes=writer.size,
-        format=FORMAT,
-    )
-    final = pdir / manifest.records_file
-    try:
-        with stop.publishing():
-            placed = _place_records(tmp, final)
-            durable.fsync_dir(pdir)
-            existing = durable.create_never_replace(pdir / MANIFEST_NAME, encode_manifest(manifest))
-    finally:
-        durable.unlink_quietly(tmp)
+    with contextlib.suppress(InvalidCheckpointState):  # absent or unreadable: decided at create
+        prior = load_manifest(blobs, kind=kind, instance=instance, checkpoint_id=None)
+    if prior is not None:
+        return _recommit(blobs, prior, checkpoint_id, records, stop)
+    records_file = f"records-{uuid.uuid4().hex}.msgpack"
+    rkey = f"{pkey}/{records_file}"
+    with contextlib.ExitStack() as publishing:
+        # The stop lock is taken once the records are stored, just before they
+        # become visible, and held until the manifest is created: after
+        # `stop()` returns, neither appears.
+        with blobs.upload(
+            rkey, before_publish=lambda: publishing.enter_context(stop.publishing())
+        ) as up:
+            writer = HashingWriter(up.write)
+            try:
+                keys = encode_records(writer, records, stop)
+            finally:
+                digest = writer.close()
+        manifest = ParticipantManifest(
+            schema_version=SCHEMA_VERSION,
+            checkpoint_id=checkpoint_id,
+            kind=kind,
+            instance=instance,
+            records_file=records_file,
+            digest_algo=DIGEST_ALGO,
+            digest=digest,
+            record_count=len(keys),
+            episodes=sorted(keys),
+            bytes=writer.size,
+            format=FORMAT,
+        )
+        # No clean-up if this raises: the manifest may be published all the
+        # same (a failing directory fsync after the link), naming the records.
+        existing = blobs.create(f"{pkey}/{MANIFEST_NAME}", encode_manifest(manifest))
     if existing is None:
         return manifest
-    other = decode_manifest(existing, str(pdir / MANIFEST_NAME))
-    if other == manifest:
+    # Lost the manifest race to another writer (a participant misconfigured
+    # with the same kind and instance).  Our records object has a fresh name
+    # no manifest can name, so it goes either way.
+    _discard(blobs, rkey)
+    other = decode_manifest(existing, blob_name(blobs, f"{pkey}/{MANIFEST_NAME}"))
+    if _same_content(other, manifest):
         return other
-    # Lost the manifest race.  Remove the records file only if this write
-    # created it and the winner's manifest does not name it: the name is the
-    # content digest, so another writer (a participant misconfigured with the
-    # same kind and instance) may have committed the very same file.
-    if placed and other.records_file != manifest.records_file:
-        durable.unlink_quietly(final)
-    raise _conflict(pdir, other)
+    raise _conflict(blobs, pkey, other)
 
 
-def _place_records(tmp: pathlib.Path, final: pathlib.Path) -> bool:
-    """Publish the fsynced temp file under its digest name; True if this call created it.
-
-    A hard link is create-only: of two writers of the same bytes exactly one
-    creates the name, and no writer ever replaces a file another may have
-    named in its manifest.  Equal names mean equal bytes, so finding the name
-    taken is success.
-    """
+def _recommit(
+    blobs: Blobs,
+    prior: ParticipantManifest,
+    checkpoint_id: str,
+    records: Iterable[Record],
+    stop: WriteStop,
+) -> ParticipantManifest:
+    """A manifest is already there: the same commit again returns it, anything
+    else is refused.  Only hashed (nothing is written), so a retried commit
+    leaves no second records object."""
+    pkey = participant_key(prior.kind, prior.instance)
+    if prior.checkpoint_id != checkpoint_id:
+        raise _conflict(blobs, pkey, prior)  # fail fast, before encoding anything
+    writer = HashingWriter(lambda _chunk: None)
     try:
-        os.link(tmp, final)
-    except FileExistsError:
-        return False
-    return True
+        keys = encode_records(writer, records, stop)
+    finally:
+        digest = writer.close()
+    stop.check()
+    same = (digest, writer.size, sorted(keys)) == (prior.digest, prior.bytes, prior.episodes)
+    if not same:
+        raise _conflict(blobs, pkey, prior)
+    return prior
 
 
-def _conflict(pdir: pathlib.Path, other: ParticipantManifest) -> InvalidCheckpointState:
+def _same_content(a: ParticipantManifest, b: ParticipantManifest) -> bool:
+    """Equal but for the records object's name (each writer picks its own)."""
+    return a == msgspec.structs.replace(b, records_file=a.records_file)
+
+
+def _discard(blobs: Blobs, key: str) -> None:
+    with contextlib.suppress(Exception):  # best effort: an orphan is only garbage
+        blobs.delete([key])
+
+
+def _conflict(blobs: Blobs, pkey: str, other: ParticipantManifest) -> InvalidCheckpointState:
     return InvalidCheckpointState(
-        f"{pdir} already holds a different commit (checkpoint {other.checkpoint_id!r}, "
-        f"digest {other.digest[:12]}); a manifest is never replaced"
+        f"{blob_name(blobs, pkey)} already holds a different commit (checkpoint "
+        f"{other.checkpoint_id!r}, digest {other.digest[:12]}); a manifest is never replaced"
     )
 
 
 def read_participant(
-    checkpoint_dir: str | os.PathLike[str],
+    checkpoint_dir: Where,
     *,
     kind: str,
     instance: str,
     checkpoint_id: str | None,
     select: Callable[[str], bool] | None = None,
 ) -> tuple[ParticipantManifest, list[Record]]:
-    """Verify one participant's whole records file; return the records `select` keeps."""
-    manifest = load_manifest(
-        checkpoint_dir, kind=kind, instance=instance, checkpoint_id=checkpoint_id
-    )
-    return manifest, read_records(checkpoint_dir, manifest, select)
+    """Verify one participant's whole records object; return the records `select` keeps."""
+    blobs = blobs_of(checkpoint_dir)
+    manifest = load_manifest(blobs, kind=kind, instance=instance, checkpoint_id=checkpoint_id)
+    return manifest, read_records(blobs, manifest, select)
 
 
 def read_records(
-    checkpoint_dir: str | os.PathLike[str],
+    checkpoint_dir: Where,
     manifest: ParticipantManifest,
     select: Callable[[str], bool] | None = None,
 ) -> list[Record]:
-    """Verify the whole records file a loaded manifest names; the records `select` keeps."""
-    pdir = participant_dir(checkpoint_dir, manifest.kind, manifest.instance)
-    path = pdir / manifest.records_file
+    """Verify the whole records object a loaded manifest names; the records `select` keeps."""
+    blobs = blobs_of(checkpoint_dir)
+    key = f"{participant_key(manifest.kind, manifest.instance)}/{manifest.records_file}"
+    name = blob_name(blobs, key)
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise InvalidCheckpointState(f"records file {path} is missing") from None
-    reader = HashingReader(fd)
+        reader = HashingReader(blobs.stream(key))
+    except BlobMissing:
+        raise InvalidCheckpointState(f"records file {name} is missing") from None
     try:
-        keys, kept, problem = _parse(reader, select)
+        keys, kept, problem = parse_records(reader, select)
         if problem is not None:
             reader.drain()
     finally:
         digest = reader.close()
-        os.close(fd)
     if reader.size != manifest.bytes:
         raise InvalidCheckpointState(
-            f"truncated or extended records {path}: {reader.size} bytes, manifest says "
+            f"truncated or extended records {name}: {reader.size} bytes, manifest says "
             f"{manifest.bytes}"
         )
     if digest != manifest.digest:
-        raise InvalidCheckpointState(f"digest mismatch in {path}: records are corrupt")
+        raise InvalidCheckpointState(f"digest mismatch in {name}: records are corrupt")
     if problem is not None:
-        raise InvalidCheckpointState(f"corrupt records {path}: {problem}")
+        raise InvalidCheckpointState(f"corrupt records {name}: {problem}")
     if len(keys) != manifest.record_count or sorted(keys) != manifest.episodes:
         raise InvalidCheckpointState(
-            f"records {path} hold {len(keys)} episodes, manifest lists {manifest.record_count}"
+            f"records {name} hold {len(keys)} episodes, manifest lists {manifest.record_count}"
         )
     return kept
-
-
-def _parse(
-    reader: HashingReader, select: Callable[[str], bool] | None
-) -> tuple[list[str], list[Record], str | None]:
-    """Walk the frames; returns (keys, kept records, first problem or None)."""
-    keys: list[str] = []
-    kept: list[Record] = []
-    buf = reader.read(len(MAGIC))
-    if buf[: len(MAGIC)] != MAGIC:
-        return keys, kept, "bad file header"
-    pos = len(MAGIC)
-    while True:
-        if len(buf) - pos < FRAME.size:
-            buf = buf[pos:] + reader.read(FRAME.size)
-            pos = 0
-            if not buf:
-                return keys, kept, None
-            if len(buf) < FRAME.size:
-                return keys, kept, "truncated frame header"
-        key_len, state_len = FRAME.unpack_from(buf, pos)
-        need = FRAME.size + key_len + state_len
-        if len(buf) - pos < need:
-            buf = buf[pos:] + reader.read(need - (len(buf) - pos))
-            pos = 0
-            if len(buf) < need:
-                return keys, kept, f"truncated record after {len(keys)} records"
-        view = memoryview(buf)
-        start = pos + FRAME.size
-        try:
-            key = bytes(view[start : start + key_len]).decode("utf-8")
-            EpisodeId.from_capture_key(key)
-        except (UnicodeDecodeError, CheckpointError):
-            return keys, kept, f"bad capture key in record {len(keys)}"
-        keys.append(key)
-        if select is None or select(key):
-            try:
-                state = decode_state(view[start + key_len : pos + need])
-            except (msgspec.DecodeError, ValueError) as exc:
-                return keys, kept, f"record {key}: {exc}"
-            kept.append(Record(key, state))
-        pos += need

@@ -1,17 +1,18 @@
-"""Chunk pipelines: hash and write (or hash) on threads while the caller works.
+"""Chunk pipelines: hash and write (or read and hash) on threads while the caller works.
 
-hashlib and os.write release the GIL for large buffers, so a chunk can be
-hashed on one thread and written on another while the caller encodes (or
-decodes) the next; bounded queues keep memory to a few chunks.
+hashlib, os.write/os.read and the object-store client release the GIL for
+large buffers, so a chunk can be hashed on one thread and written (uploaded)
+on another while the caller encodes the next; on the way back one thread
+fetches chunks ahead (a disk read or a download) while the caller parses.
+Bounded queues keep memory to a few chunks.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 CHUNK = 4 << 20
 _DEPTH = 4
@@ -49,22 +50,15 @@ class _Worker:
         self._thread.join()
 
 
-def _write_all(fd: int, data: Chunk) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
-
-
 class HashingWriter:
-    """Write chunks to `fd` and sha256 them, on two threads."""
+    """Hand chunks to `sink` (a file or an upload) and sha256 them, on two threads."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, sink: Callable[[Chunk], None]) -> None:
         self._hash = hashlib.sha256()
         self.size = 0
         self._workers = [
             _Worker(self._hash.update, "ray-ckpt-hash"),
-            _Worker(lambda chunk: _write_all(fd, chunk), "ray-ckpt-write"),
+            _Worker(sink, "ray-ckpt-write"),
         ]
 
     def put(self, chunk: Chunk) -> None:
@@ -85,22 +79,71 @@ class HashingWriter:
         return self._hash.hexdigest()
 
 
-class HashingReader:
-    """Read a file in chunks, hashing each on a thread as it is handed out."""
+class _Prefetch:
+    """Pulls chunks from an iterator on its own thread, a few ahead of the reader."""
 
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._queue: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=_DEPTH)
+        self._quit = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(chunks,), name="ray-ckpt-read", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, chunks: Iterator[bytes]) -> None:
+        try:
+            for data in chunks:
+                if self._quit.is_set():
+                    break
+                if data:
+                    self._queue.put(data)
+            self._queue.put(None)
+        except BaseException as exc:
+            self._queue.put(exc)
+        finally:
+            # Closed on the thread that ran it: a generator cannot be closed
+            # from another thread while it runs.
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()
+
+    def get(self) -> bytes | None:
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            self._queue.put(None)  # later gets see the end, not a hang
+            raise item
+        if item is None:
+            self._queue.put(None)
+        return item
+
+    def close(self) -> None:
+        self._quit.set()
+        while self._thread.is_alive():
+            try:
+                self._queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+        self._thread.join()
+
+
+class HashingReader:
+    """Read a stream of chunks, hashing each on a thread as it is handed out."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._source = _Prefetch(chunks)
         self._hash = hashlib.sha256()
         self._worker = _Worker(self._hash.update, "ray-ckpt-hash")
+        self._ended = False
         self.size = 0
 
     def read(self, want: int) -> bytes:
-        """At least `want` bytes unless the file ends first (b"" at EOF)."""
+        """At least `want` bytes unless the stream ends first (b"" at the end)."""
         parts: list[bytes] = []
         got = 0
-        while got < want:
-            data = os.read(self._fd, max(CHUNK, want - got))
-            if not data:
+        while got < want and not self._ended:
+            data = self._source.get()
+            if data is None:
+                self._ended = True
                 break
             self._worker.put(data)
             self.size += len(data)
@@ -113,6 +156,7 @@ class HashingReader:
             pass
 
     def close(self) -> str:
+        self._source.close()
         self._worker.close()
         if self._worker.error is not None:
             raise self._worker.error

@@ -1,7 +1,8 @@
 """The storage seam the controller writes and reads records through.
 
-`FileRecordStore` is the real one (durable, manifest-last files under
-`<dir>/gym/<kind>/<instance>/`, see `ray_ckpt.storage`); unit tests of the
+`FileRecordStore` is the real one (durable, manifest-last objects under
+`<location>/gym/<kind>/<instance>/` on disk or in an object store, see
+`ray_ckpt.storage`); unit tests of the
 pure controller logic may pass an in-memory store instead.  Both are
 synchronous: the controller runs them in a thread under the call's deadline.
 """
@@ -48,10 +49,12 @@ class RecordStore(Protocol):
 
 
 class FileRecordStore:
-    """Records on disk through `ray_ckpt.storage` (imported lazily: it is heavy).
+    """Records through `ray_ckpt.storage` (imported lazily: it is heavy), at
+    any location `open_location` takes: a local path or an object-store URI.
 
-    A directory that cannot be written or read is a typed error naming it
-    (`ray_ckpt.storage.location`), never a raw `OSError`.
+    A location that cannot be written or read is a typed error naming it
+    (`ray_ckpt.storage.location`), never a raw `OSError` or a store's own
+    exception.
     """
 
     def new_stop(self) -> StopHandle:
@@ -98,16 +101,15 @@ class FileRecordStore:
         this participant must be listed in it with the same manifest digest, so
         a participant directory from another commit is never installed.
         """
-        from ray_ckpt.storage import load_manifest, read_gym_manifest
-        from ray_ckpt.storage.gym_manifest import gym_manifest_path, listed_manifest
+        from ray_ckpt.storage import load_manifest, open_location, read_gym_manifest
+        from ray_ckpt.storage.gym_manifest import has_gym_manifest, listed_manifest
         from ray_ckpt.storage.participant_store import read_records
 
         with directory_errors(checkpoint_dir, "read"):
-            if gym_manifest_path(checkpoint_dir).exists():
-                gym = read_gym_manifest(checkpoint_dir)
-                manifest = listed_manifest(checkpoint_dir, gym, gym.entry(kind, instance))
+            blobs = open_location(checkpoint_dir)
+            if has_gym_manifest(blobs):
+                gym = read_gym_manifest(blobs)
+                manifest = listed_manifest(blobs, gym, gym.entry(kind, instance))
             else:
-                manifest = load_manifest(
-                    checkpoint_dir, kind=kind, instance=instance, checkpoint_id=None
-                )
-            return manifest, read_records(checkpoint_dir, manifest, select)
+                manifest = load_manifest(blobs, kind=kind, instance=instance, checkpoint_id=None)
+            return manifest, read_records(blobs, manifest, select)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("ray_ckpt", "participants", "coordination")
-TEST_ONLY = ("fastapi", "httpx", "hypothesis", "pytest", "psutil")
+TEST_ONLY = ("fastapi", "httpx", "hypothesis", "pytest", "psutil", "moto", "boto3", "botocore")
 
 _PROBE = """
 import importlib, json, pkgutil, sys

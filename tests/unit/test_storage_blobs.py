@@ -10,15 +10,22 @@ import pathlib
 
 import pytest
 
-from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest
+from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest, ParticipantUnavailable
 from ray_ckpt.storage.blobs import BlobMissing, Blobs, check_key, is_temp, temp_key
 from ray_ckpt.storage.local_blobs import LocalBlobs
 from ray_ckpt.storage.locations import check_location, open_location
+from ray_ckpt.storage.object_blobs import PART, ObjectBlobs
+from tests.s3_server import S3Endpoint, s3_client, s3_endpoint
+
+__all__ = ["s3_endpoint"]  # the fixture, imported for pytest
 
 
-@pytest.fixture
-def blobs(tmp_path: pathlib.Path) -> Blobs:
-    return open_location(str(tmp_path / "root"))
+@pytest.fixture(params=["local", "s3"])
+def blobs(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Blobs:
+    if request.param == "local":
+        return open_location(str(tmp_path / "root"))
+    endpoint: S3Endpoint = request.getfixturevalue("s3_endpoint")
+    return open_location(endpoint.location())
 
 
 @pytest.mark.parametrize(
@@ -154,3 +161,61 @@ def test_check_location_refuses_an_unwritable_root(tmp_path: pathlib.Path) -> No
     blocker.write_text("x")
     with pytest.raises(InvalidRequest, match="file/sub"):
         check_location(str(blocker / "sub"), for_write=True)
+
+
+def test_a_large_upload_goes_multipart_and_an_abort_leaves_no_upload(
+    s3_endpoint: S3Endpoint,
+) -> None:
+    blobs = open_location(s3_endpoint.location())
+    assert isinstance(blobs, ObjectBlobs)
+    body = os.urandom(PART * 2 + 12345)
+    with blobs.upload("big") as up:
+        for i in range(0, len(body), 1 << 20):
+            up.write(body[i : i + (1 << 20)])
+    assert blobs.read("big") == body
+    assert blobs.info("big").size == len(body)
+
+    def fail() -> None:
+        with blobs.upload("torn") as up:
+            up.write(body)
+            raise RuntimeError("encode failed")
+
+    with pytest.raises(RuntimeError):
+        fail()
+    assert not blobs.exists("torn")
+    client = s3_client(s3_endpoint)
+    uploads = client.list_multipart_uploads(Bucket=s3_endpoint.bucket).get("Uploads", [])  # type: ignore[attr-defined]
+    assert [u for u in uploads if u["Key"].endswith("/torn")] == []
+
+
+def test_object_store_urls_are_checked(s3_endpoint: S3Endpoint) -> None:
+    for bad in ("s3://", "s3:///x", "s3://b/x?y=1", "s3://b/a/../c"):
+        with pytest.raises(InvalidRequest):
+            open_location(bad)
+    url = s3_endpoint.location()
+    assert open_location(url).url == url
+
+
+def test_check_location_on_the_store(s3_endpoint: S3Endpoint) -> None:
+    url = s3_endpoint.location()
+    blobs = check_location(url, for_write=True)
+    assert blobs.list() == []
+    with pytest.raises(InvalidRequest, match="no-such-bucket"):
+        check_location("s3://no-such-bucket/x", for_write=True)
+    with pytest.raises(InvalidRequest, match="no-such-bucket"):
+        check_location("s3://no-such-bucket/x", for_write=False)
+    with pytest.raises(InvalidRequest, match="nothing"):
+        check_location(url, for_write=False)  # nothing written there yet
+    blobs.create("gym/_manifest.json", b"{}")
+    check_location(url, for_write=False)
+
+
+def test_unreachable_store_is_refused_without_leaking_credentials(
+    s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-never-shown")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens
+    with pytest.raises((InvalidRequest, ParticipantUnavailable)) as err:
+        check_location(s3_endpoint.location(), for_write=True)
+    assert "s3cr3t" not in str(err.value)
+    assert s3_endpoint.bucket in str(err.value)

@@ -1,0 +1,143 @@
+"""A participant's manifest: its shape, its keys, and how it is read and checked.
+
+Layout under a checkpoint location: ``gym/<kind>/<instance>/manifest.json``
+beside the records object it names.  The manifest is the commit point of a
+participant's write (`participant_store`): created last and never replaced,
+so no manifest means "not committed".
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+
+import msgspec
+
+from ray_ckpt.errors import InvalidCheckpointState
+from ray_ckpt.identity import ID_PATTERN
+from ray_ckpt.storage.blobs import BlobMissing, Blobs, blob_name
+from ray_ckpt.storage.locations import open_location
+from ray_ckpt.storage.records_format import FORMAT
+
+SCHEMA_VERSION = 1
+DIGEST_ALGO = "sha256"
+GYM = "gym"
+MANIFEST_NAME = "manifest.json"
+_NAME_RE = re.compile(ID_PATTERN)
+# New records objects are named by a random token (a multipart upload needs
+# its key before the digest is known); older ones by their sha256.  Both are
+# plain names in the participant's own folder.  Always fullmatch.
+RECORDS_RE = re.compile(r"records-([0-9a-f]{32}|[0-9a-f]{64})\.msgpack")
+
+# Where a checkpoint is: a location string (or path) as every public function
+# takes it, or a `Blobs` already open (so one call opens its location once).
+Where = str | os.PathLike[str] | Blobs
+
+
+class ParticipantManifest(msgspec.Struct, frozen=True):
+    """What a committed participant checkpoint holds; written last."""
+
+    schema_version: int
+    checkpoint_id: str
+    kind: str
+    instance: str
+    records_file: str
+    digest_algo: str
+    digest: str
+    record_count: int
+    episodes: list[str]  # capture keys, sorted
+    bytes: int
+    format: str
+
+
+class _Versioned(msgspec.Struct):
+    schema_version: int
+
+
+def blobs_of(where: Where) -> Blobs:
+    if isinstance(where, (str, os.PathLike)):
+        return open_location(where)
+    return where
+
+
+def encode_manifest(manifest: msgspec.Struct) -> bytes:
+    return msgspec.json.format(msgspec.json.encode(manifest), indent=1) + b"\n"
+
+
+def check_name(what: str, name: str) -> str:
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or len(name) > 255:
+        raise InvalidCheckpointState(f"bad {what} name {name!r}: must match {ID_PATTERN}")
+    return name
+
+
+def participant_key(kind: str, instance: str) -> str:
+    """``gym/<kind>/<instance>``; names that could escape it are refused."""
+    return f"{GYM}/{check_name('kind', kind)}/{check_name('instance', instance)}"
+
+
+def participant_dir(
+    checkpoint_dir: str | os.PathLike[str], kind: str, instance: str
+) -> pathlib.Path:
+    """The participant's folder as a local path (for a local location)."""
+    return pathlib.Path(checkpoint_dir) / participant_key(kind, instance)
+
+
+def decode_manifest(data: bytes, where: str) -> ParticipantManifest:
+    try:
+        version = msgspec.json.decode(data, type=_Versioned).schema_version
+    except msgspec.DecodeError as exc:
+        raise InvalidCheckpointState(f"corrupt manifest {where}: {exc}") from exc
+    if version != SCHEMA_VERSION:
+        raise InvalidCheckpointState(f"unknown manifest schema version {version} in {where}")
+    try:
+        manifest = msgspec.json.decode(data, type=ParticipantManifest)
+    except msgspec.DecodeError as exc:
+        raise InvalidCheckpointState(f"corrupt manifest {where}: {exc}") from exc
+    if manifest.format != FORMAT:
+        raise InvalidCheckpointState(f"unknown records format {manifest.format!r} in {where}")
+    if manifest.digest_algo != DIGEST_ALGO:
+        raise InvalidCheckpointState(f"unknown digest {manifest.digest_algo!r} in {where}")
+    if not RECORDS_RE.fullmatch(manifest.records_file):
+        raise InvalidCheckpointState(f"bad records file name {manifest.records_file!r} in {where}")
+    return manifest
+
+
+def manifest_bytes(checkpoint_dir: Where, kind: str, instance: str) -> tuple[str, bytes]:
+    """The key and exact bytes of one participant's manifest (missing: not committed)."""
+    blobs = blobs_of(checkpoint_dir)
+    key = f"{participant_key(kind, instance)}/{MANIFEST_NAME}"
+    try:
+        return key, blobs.read(key)
+    except BlobMissing:
+        raise InvalidCheckpointState(
+            f"missing manifest {blob_name(blobs, key)}: not committed"
+        ) from None
+
+
+def load_manifest(
+    checkpoint_dir: Where,
+    *,
+    kind: str,
+    instance: str,
+    checkpoint_id: str | None,
+    read: tuple[str, bytes] | None = None,
+) -> ParticipantManifest:
+    """The validated manifest of one participant (no records read).
+
+    `read` is what `manifest_bytes` already returned, so a caller that hashed
+    those bytes validates the same ones instead of reading the object again.
+    """
+    blobs = blobs_of(checkpoint_dir)
+    key, data = read or manifest_bytes(blobs, kind, instance)
+    name = blob_name(blobs, key)
+    manifest = decode_manifest(data, name)
+    if (manifest.kind, manifest.instance) != (kind, instance):
+        raise InvalidCheckpointState(
+            f"manifest {name} is for {manifest.kind}/{manifest.instance}, not {kind}/{instance}"
+        )
+    if checkpoint_id is not None and manifest.checkpoint_id != checkpoint_id:
+        raise InvalidCheckpointState(
+            f"manifest {name} is for checkpoint {manifest.checkpoint_id!r}, not {checkpoint_id!r}"
+        )
+    return manifest
