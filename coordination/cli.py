@@ -1,4 +1,4 @@
-"""`ray-ckpt`: status, checkpoint, restore, retire, inspect (and the demo).
+"""`ray-ckpt`: status, checkpoint, restore, retire, inspect, list, gc (and the demo).
 
 Every command that talks to the cluster attaches with `--address` (default
 "auto") and `--namespace`, and gets or creates the namespace's coordinator;
@@ -7,44 +7,16 @@ Every command that talks to the cluster attaches with `--address` (default
 
 from __future__ import annotations
 
-import datetime
 import sys
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 import msgspec
 
+from coordination.cli_output import clock_time, cluster_options, emit, fail, periodic_line
+from coordination.cli_storage import gc_command, list_command
 from coordination.results import ParticipantStatus
-from ray_ckpt.errors import CheckpointError, CoordinationFailed, InvalidRequest
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _cluster_options(fn: F) -> F:
-    fn = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")(fn)
-    fn = click.option("--namespace", default="ray-ckpt", show_default=True, help="Ray namespace.")(
-        fn
-    )
-    fn = click.option(
-        "--address", default="auto", show_default=True, help='Ray address ("auto" attaches).'
-    )(fn)
-    return fn
-
-
-def _emit(value: Any) -> None:
-    click.echo(msgspec.json.encode(value).decode())
-
-
-def _fail(exc: CheckpointError, as_json: bool) -> None:
-    if as_json:
-        _emit(exc.to_body())
-    else:
-        click.echo(f"error: {exc}", err=True)
-        if isinstance(exc, CoordinationFailed):
-            for who, why in sorted(exc.failures.items()):
-                click.echo(f"  {who}: {why.get('code')}: {why.get('detail')}", err=True)
-    sys.exit(1)
+from ray_ckpt.errors import CheckpointError, InvalidRequest
 
 
 def _connect(address: str, namespace: str) -> Any:
@@ -53,10 +25,13 @@ def _connect(address: str, namespace: str) -> Any:
     return connect(namespace=namespace, address=None if address == "local" else address)
 
 
-def _when(ts: float | None) -> str:
-    if ts is None:
-        return "-"
-    return datetime.datetime.fromtimestamp(ts).strftime("%H:%M:%S")
+def _location(directory: str) -> None:
+    """Refuse a relative path or an unknown scheme here, before attaching to
+    Ray; whether the location can be reached is checked by the coordinator,
+    where the checkpoint runs, before it pauses anyone."""
+    from ray_ckpt.storage.locations import open_location
+
+    open_location(directory)
 
 
 @click.group()
@@ -64,8 +39,12 @@ def main() -> None:
     """Checkpoint and restore Gym servers on Ray."""
 
 
+main.add_command(list_command)
+main.add_command(gc_command)
+
+
 @main.command()
-@_cluster_options
+@cluster_options
 def status(address: str, namespace: str, as_json: bool) -> None:
     """Participants, their phase, checkpoint, lease and live episodes."""
     from rich.console import Console
@@ -74,9 +53,9 @@ def status(address: str, namespace: str, as_json: bool) -> None:
     try:
         st = _connect(address, namespace).status()
     except CheckpointError as exc:
-        _fail(exc, as_json)
+        fail(exc, as_json)
     if as_json:
-        _emit(st)
+        emit(st)
         return
     title = f"namespace {namespace}: " + (
         f"checkpoint {st.open_checkpoint} {st.phase}"
@@ -94,11 +73,13 @@ def status(address: str, namespace: str, as_json: bool) -> None:
             p.participant,
             p.phase or f"[red]{p.error or '?'}[/red]",
             p.checkpoint_id or "-",
-            _when(p.lease_expires_at),
+            clock_time(p.lease_expires_at),
             "-" if p.live_executions is None else str(p.live_executions),
             blockers or "-",
         )
     Console().print(table)
+    if st.periodic is not None:
+        click.echo(periodic_line(st.periodic))
 
 
 def _blocker_cell(p: ParticipantStatus) -> list[str]:
@@ -120,7 +101,7 @@ def _blocker_cell(p: ParticipantStatus) -> list[str]:
     is_flag=True,
     help="Refuse (nothing published) if an episode of the scope has no state anywhere.",
 )
-@_cluster_options
+@cluster_options
 def checkpoint(
     directory: str,
     scope: tuple[str, ...],
@@ -132,13 +113,14 @@ def checkpoint(
 ) -> None:
     """Checkpoint every participant into DIRECTORY."""
     try:
+        _location(directory)
         res = _connect(address, namespace).checkpoint(
             directory, scope=list(scope) or None, resume=not keep_open, strict=strict
         )
     except CheckpointError as exc:
-        _fail(exc, as_json)
+        fail(exc, as_json)
     if as_json:
-        _emit(res)
+        emit(res)
         return
     click.echo(
         f"checkpoint {res.checkpoint_id} → {res.checkpoint_dir}: {len(res.timings)} participants, "
@@ -152,16 +134,23 @@ def checkpoint(
 @click.argument("directory")
 @click.option("--episode", "episodes", multiple=True, help="Capture key to restore (repeatable).")
 @click.option(
+    "--latest",
+    is_flag=True,
+    help="DIRECTORY is a root: restore its newest complete checkpoint (the one LATEST "
+    "names if complete, else the newest by time).",
+)
+@click.option(
     "--without-gym-manifest",
     "without_gym_manifest",
     is_flag=True,
     help="Accept a DIRECTORY with no gym/_manifest.json (as NeMo Gym's controller writes): "
     "restore from the participant manifests once each is there, complete, of one checkpoint.",
 )
-@_cluster_options
+@cluster_options
 def restore(
     directory: str,
     episodes: tuple[str, ...],
+    latest: bool,
     without_gym_manifest: bool,
     address: str,
     namespace: str,
@@ -169,20 +158,31 @@ def restore(
 ) -> None:
     """Restore a fresh fleet from DIRECTORY, all or nothing."""
     try:
+        _location(directory)
         keys = list(episodes)
-        if not keys:
-            keys = _checkpointed_episodes(directory, without_gym_manifest)
-        res = _connect(address, namespace).restore(
-            directory, keys, allow_without_gym_manifest=without_gym_manifest
-        )
+        if latest:
+            # The coordinator picks the checkpoint and, without --episode, its episodes.
+            res = _connect(address, namespace).restore(
+                directory,
+                keys or None,
+                allow_without_gym_manifest=without_gym_manifest,
+                latest=True,
+            )
+        else:
+            if not keys:
+                keys = _checkpointed_episodes(directory, without_gym_manifest)
+            res = _connect(address, namespace).restore(
+                directory, keys, allow_without_gym_manifest=without_gym_manifest
+            )
     except CheckpointError as exc:
-        _fail(exc, as_json)
+        fail(exc, as_json)
     if as_json:
-        _emit(res)
+        emit(res)
         return
     total = sum(len(v) for v in res.restored.values())
     click.echo(
-        f"restored {total} episode attempts from {res.source_checkpoint_id} in {res.total_s:.3f}s;"
+        f"restored {total} episode attempts from {res.source_checkpoint_id} "
+        f"({res.checkpoint_dir}) in {res.total_s:.3f}s;"
         f" {len(res.continued)} episodes continue, {len(res.restart)} start over"
     )
     for who, why in sorted(res.resume_failures.items()):
@@ -216,15 +216,15 @@ def _checkpointed_episodes(directory: str, without_gym_manifest: bool = False) -
 @main.command()
 @click.argument("rollout")
 @click.argument("attempt", type=int)
-@_cluster_options
+@cluster_options
 def retire(rollout: str, attempt: int, address: str, namespace: str, as_json: bool) -> None:
     """Stop and free ROLLOUT's attempts up to ATTEMPT everywhere (callers first)."""
     try:
         res = _connect(address, namespace).retire(rollout, attempt)
     except CheckpointError as exc:
-        _fail(exc, as_json)
+        fail(exc, as_json)
     if as_json:
-        _emit(res)
+        emit(res)
         return
     for who, keys in sorted(res.retired.items()):
         click.echo(f"{who}: {', '.join(keys) or '-'}")
