@@ -17,6 +17,8 @@ MAX_CONCURRENCY = 1000
 
 
 def default_state_dir(namespace: str, name: str = COORDINATOR_NAME) -> str:
+    """A node-local directory for a file journal (opt-in: `state_dir=`); the
+    default journal is in Ray's GCS KV store."""
     return os.path.join(tempfile.gettempdir(), "ray-ckpt", namespace, name)
 
 
@@ -59,7 +61,9 @@ def get_or_create_coordinator(
     actor_cls = ray.remote(Coordinator)
     return actor_cls.options(**coordinator_options(namespace, name=name, detached=detached)).remote(
         namespace,
-        state_dir=state_dir or default_state_dir(namespace, name),
+        # None: the journal lives in Ray's GCS KV store, reachable from every
+        # node, so a restart on another node finds it (coordination/journal.py).
+        state_dir=state_dir,
         timeouts=timeouts,
         pause_mode=pause_mode,
         auto_discover=auto_discover,

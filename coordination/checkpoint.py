@@ -61,7 +61,7 @@ async def prepare(driver: PhaseDriver, deadline_s: float | None = None) -> Prepa
     # bug of ours, the journal) aborts: every member is resumed before the
     # error leaves, and nothing stays open.
     async with driver._aborting(cid):
-        driver._record(JournalEntry(checkpoint_id=cid, phase="preparing", op="checkpoint"))
+        await driver._record(JournalEntry(checkpoint_id=cid, phase="preparing", op="checkpoint"))
         driver.renewer.start(cid)
         await driver.pauses.pause(cid, driver.pauses.prepare_roles(), deadline_s)
         body = {"checkpoint_id": cid, "deadline_ts": deadline_ts}
@@ -82,7 +82,7 @@ async def prepare(driver: PhaseDriver, deadline_s: float | None = None) -> Prepa
                     failures[key] = failure(err, report)
             if failures:
                 raise coordination_failed("prepare", cid, failures)
-        driver._record(JournalEntry(checkpoint_id=cid, phase="prepared", op="checkpoint"))
+        await driver._record(JournalEntry(checkpoint_id=cid, phase="prepared", op="checkpoint"))
     driver._prepare_restarts = {k for keys in restarts.values() for k in keys}
     return PrepareResult(
         checkpoint_id=cid, seconds=time.monotonic() - start, timings=timings, restarts=restarts
@@ -111,7 +111,7 @@ async def commit(
     deadline_s = driver.timeouts.commit_s if deadline_s is None else deadline_s
     deadline_ts = driver.clock.now() + deadline_s
     async with driver._aborting(cid):
-        driver._record(
+        await driver._record(
             JournalEntry(
                 checkpoint_id=cid,
                 phase="committing",
@@ -153,7 +153,7 @@ async def commit(
             err = exc if isinstance(exc, CheckpointError) else CheckpointError(repr(exc))
             raise coordination_failed("commit", cid, {"gym-manifest": failure(err)}) from None
         manifest_s = time.monotonic() - m_start
-        driver._record(
+        await driver._record(
             JournalEntry(
                 checkpoint_id=cid,
                 phase="committed",

@@ -31,7 +31,7 @@ from coordination.actor_options import (
 )
 from coordination.core import CoordinatorCore
 from coordination.hosts import Host, RayHost, RayPauseTarget
-from coordination.journal import Journal
+from coordination.journal import open_journal
 from coordination.membership import KindMismatch
 from coordination.order import Member
 from coordination.periodic import DEFAULT_PREFIX, AssemblerScope, PeriodicRunner
@@ -64,6 +64,14 @@ __all__ = [
 ]
 
 
+def _own_name() -> str:
+    """This actor's name (the journal's key), or the default one off Ray."""
+    import ray
+
+    name = ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None
+    return name or COORDINATOR_NAME
+
+
 class Coordinator:
     def __init__(
         self,
@@ -79,7 +87,7 @@ class Coordinator:
         self.namespace = namespace
         self.auto_discover = auto_discover
         self.core = CoordinatorCore(
-            journal=Journal(state_dir or default_state_dir(namespace)),
+            journal=open_journal(state_dir, namespace=namespace, name=_own_name()),
             timeouts=Timeouts(**timeouts) if timeouts else None,
             pause_mode=pause_mode,
         )

@@ -1,11 +1,25 @@
 """The coordinator's durable note of the checkpoint it has open.
 
-Written (temp file, fsync, rename, fsync of the directory) before every
-fan-out, so a coordinator that Ray restarts — or a new one over the same
-state directory — knows which checkpoint ID was in flight, in which phase,
-and who took part.  Recovery then aborts it (resume everywhere; for a
+Written before every fan-out, so a coordinator that Ray restarts — or a new
+one over the same journal — knows which checkpoint ID was in flight, in which
+phase, and who took part.  Recovery then aborts it (resume everywhere; for a
 restore, retire what was installed first).  Every participant call is
 idempotent, so re-driving a phase that already reached some is harmless.
+
+Where it lives (`open_journal`):
+
+- by default in Ray's GCS key-value store (`KvJournal`), keyed by the
+  coordinator's namespace and name: every node reaches it, so a coordinator
+  whose node is lost and that Ray restarts elsewhere (`max_restarts=-1`)
+  finds it.  A node-local directory would be empty on the new node, and
+  recovery would fall back to the participants' leases;
+- in a directory the user names (`state_dir`, e.g. on a shared file
+  system): one small JSON file, temp file + fsync + rename + directory fsync;
+- in memory only, for the pure core's tests (`Journal(None)`).
+
+Ray's KV store has no public Python API; `ray.experimental.internal_kv` is
+the one Ray's own libraries use.  Callers write off the event loop (the GCS
+call and the fsync both block).
 """
 
 from __future__ import annotations
@@ -14,6 +28,7 @@ import contextlib
 import os
 import pathlib
 import tempfile
+from typing import Protocol
 
 import msgspec
 
@@ -34,6 +49,73 @@ class JournalEntry(msgspec.Struct, kw_only=True):
 
 _decoder = msgspec.json.Decoder(JournalEntry)
 
+KV_NAMESPACE = "ray-ckpt"  # the GCS KV namespace every journal key lives in
+GCS = "gcs"  # `state_dir` naming the GCS KV store explicitly
+
+
+class JournalStore(Protocol):
+    def record(self, entry: JournalEntry) -> None: ...
+
+    def write(self, data: bytes) -> None:
+        """Store an encoded entry (`encode`): callers encode on the event loop,
+        where the entry is mutated, and write from a thread."""
+        ...
+
+    def load(self) -> JournalEntry | None: ...
+
+    def clear(self) -> None: ...
+
+
+def _decode(data: bytes | None) -> JournalEntry | None:
+    if data is None:
+        return None
+    try:
+        return _decoder.decode(data)
+    except msgspec.DecodeError:
+        # A torn journal cannot name a checkpoint; participants' leases cover it.
+        return None
+
+
+def encode(entry: JournalEntry) -> bytes:
+    return msgspec.json.encode(entry)
+
+
+def open_journal(state_dir: str | None, *, namespace: str, name: str) -> JournalStore:
+    """The coordinator's journal: GCS KV unless a directory is named."""
+    if state_dir is None or state_dir == GCS:
+        return KvJournal(kv_key(namespace, name))
+    return Journal(state_dir)
+
+
+def kv_key(namespace: str, name: str) -> bytes:
+    return f"journal/{namespace}/{name}".encode()
+
+
+class KvJournal:
+    """One key in Ray's GCS key-value store (reachable from every node)."""
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+
+    def record(self, entry: JournalEntry) -> None:
+        self.write(encode(entry))
+
+    def write(self, data: bytes) -> None:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_put(self.key, data, overwrite=True, namespace=KV_NAMESPACE)
+
+    def load(self) -> JournalEntry | None:
+        from ray.experimental import internal_kv
+
+        data = internal_kv._internal_kv_get(self.key, namespace=KV_NAMESPACE)
+        return _decode(data)
+
+    def clear(self) -> None:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_del(self.key, namespace=KV_NAMESPACE)
+
 
 class Journal:
     """One small JSON file in `state_dir`; memory only when `state_dir` is None."""
@@ -43,11 +125,13 @@ class Journal:
         self._memory: JournalEntry | None = None
 
     def record(self, entry: JournalEntry) -> None:
-        self._memory = entry
+        self.write(encode(entry))
+
+    def write(self, data: bytes) -> None:
+        self._memory = _decode(data)
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        data = msgspec.json.encode(entry)
         fd, tmp = tempfile.mkstemp(prefix=".journal.", dir=self.path.parent)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -68,11 +152,7 @@ class Journal:
             data = self.path.read_bytes()
         except FileNotFoundError:
             return None
-        try:
-            return _decoder.decode(data)
-        except msgspec.DecodeError:
-            # A torn journal cannot name a checkpoint; participants' leases cover it.
-            return None
+        return _decode(data)
 
     def clear(self) -> None:
         self._memory = None

@@ -32,7 +32,7 @@ from coordination import checkpoint
 from coordination.calls import reply_timeout
 from coordination.fanout import Outcome, failure, fan_out
 from coordination.hosts import Host, PauseTarget
-from coordination.journal import Journal, JournalEntry
+from coordination.journal import Journal, JournalEntry, JournalStore, encode
 from coordination.manifests import ManifestWriter, write_gym_manifest_from_replies
 from coordination.order import Member, resume_groups
 from coordination.pause import ControllerPauses
@@ -50,13 +50,13 @@ class PhaseDriver:
         self,
         *,
         clock: Clock = SYSTEM_CLOCK,
-        journal: Journal | None = None,
+        journal: JournalStore | None = None,
         timeouts: Timeouts | None = None,
         manifest_writer: ManifestWriter = write_gym_manifest_from_replies,
         pause_mode: str = "full",
     ) -> None:
         self.clock = clock
-        self.journal = journal or Journal(None)
+        self.journal: JournalStore = journal or Journal(None)
         self.timeouts = timeouts or Timeouts()
         self.manifest_writer = manifest_writer
         self.hosts: dict[str, Host] = {}
@@ -128,16 +128,20 @@ class PhaseDriver:
         """Fix the members of the checkpoint or restore about to open."""
         self.frozen = dict(roster)
 
-    def _record(self, entry: JournalEntry | None) -> None:
+    async def _record(self, entry: JournalEntry | None) -> None:
+        """Note the open checkpoint (or that none is) before the next fan-out.
+
+        The state changes here, on the loop; the write (a GCS call or an
+        fsync, both blocking) runs in a thread, and the fan-out waits for it."""
         self.open = entry
         if entry is None:
             self.frozen = {}
             self._prepare_restarts = set()
-            self.journal.clear()
+            await asyncio.to_thread(self.journal.clear)
             return
         entry.updated_at = self.clock.now()
         entry.members = {k: h.describe() for k, h in self.frozen.items()}
-        self.journal.record(entry)
+        await asyncio.to_thread(self.journal.write, encode(entry))
 
     def _prune_gone(self, out: Outcome) -> None:
         """Drop members whose actor no longer exists (each failed call says so):
@@ -203,7 +207,7 @@ class PhaseDriver:
         if entry is not None and entry.checkpoint_id == cid:
             entry.phase = "resuming"
             try:
-                self._record(entry)
+                await self._record(entry)
             except Exception:
                 log.exception("could not journal the resume of %s; resuming anyway", cid)
         deadline_s = self.timeouts.resume_s if deadline_s is None else deadline_s
@@ -224,7 +228,7 @@ class PhaseDriver:
         except Exception as exc:
             log.exception("unpausing the controllers after %s raised", cid)
             failures["controllers"] = failure(CheckpointError(f"unpause raised: {exc!r}"[:500]))
-        self._close()
+        await self._close()
         closing, self._to_close = self._to_close, []
         for host in closing:
             with contextlib.suppress(Exception):
@@ -251,14 +255,14 @@ class PhaseDriver:
                 out.errors[m.key] = err
         return out
 
-    def _close(self) -> None:
+    async def _close(self) -> None:
         """No checkpoint open any more, in memory even if the journal fails."""
         try:
             self.renewer.stop()
         except Exception:
             log.exception("stopping the lease renewer raised")
         try:
-            self._record(None)
+            await self._record(None)
         except Exception:
             log.exception("could not clear the journal; the checkpoint is closed regardless")
             self.open = None

@@ -85,7 +85,7 @@ async def restore(
         "episode_ids": [episode_body(e) for e in episodes],
     }
     try:
-        driver._record(
+        await driver._record(
             JournalEntry(
                 checkpoint_id=cid,
                 phase="restoring",
@@ -102,7 +102,7 @@ async def restore(
         entry = driver.open
         assert entry is not None
         entry.phase = "restored"
-        driver._record(entry)
+        await driver._record(entry)
     except BaseException:
         # Whatever raised (a participant, or a bug of ours): nobody keeps what
         # it installed, everyone is resumed.

@@ -42,15 +42,19 @@ from tests.multinode.conftest import WORKER, Nodes
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 N, STEPS, SEED = 4, 3, 71
+COORDINATOR = "mn-coordinator"
 EDGE = ("environment", "agent")  # on the node that goes away
 CORE = ("model", "resources")
 
 
-def coordinator_on_a_worker(kit: E2E, **timeouts: float) -> CoordinatorHandle:
+def coordinator_on_a_worker(
+    kit: E2E, *, journal_in_tmp: bool = True, **timeouts: float
+) -> CoordinatorHandle:
     """The coordinator on some worker node: it asks for a sliver of the resource
-    only worker nodes have (restartable, so never pinned to one node)."""
+    only worker nodes have (restartable, so never pinned to one node).  Its
+    journal: under the test's tmp dir, or the default, Ray's GCS KV store."""
     opts = {
-        **coordinator_options(kit.namespace, name="mn-coordinator"),
+        **coordinator_options(kit.namespace, name=COORDINATOR),
         "resources": {WORKER: 0.01},
     }
     actor = (
@@ -58,7 +62,7 @@ def coordinator_on_a_worker(kit: E2E, **timeouts: float) -> CoordinatorHandle:
         .options(**opts)
         .remote(
             kit.namespace,
-            state_dir=str(kit.tmp / "coordinator"),
+            state_dir=str(kit.tmp / "coordinator") if journal_in_tmp else None,
             timeouts={"reply_grace_s": 0.5, **timeouts},
         )
     )

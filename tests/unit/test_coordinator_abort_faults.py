@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
 import pytest
 
 import coordination.phase_driver as phase_driver
@@ -66,19 +67,20 @@ def journal_raises(phase: str | None) -> Fault:
 
     def install(fleet: Fleet, mp: pytest.MonkeyPatch) -> None:
         journal = fleet.core.journal
-        real_record, real_clear = journal.record, journal.clear
+        real_write, real_clear = journal.write, journal.clear
 
-        def record(entry: JournalEntry) -> None:
-            if entry.phase == phase:
+        def write(data: bytes) -> None:
+            # The driver encodes on the loop and writes the bytes from a thread.
+            if msgspec.json.decode(data, type=JournalEntry).phase == phase:
                 raise Bug(f"journal {phase}")
-            real_record(entry)
+            real_write(data)
 
         def clear() -> None:
             if phase is None:
                 raise Bug("journal clear")
             real_clear()
 
-        mp.setattr(journal, "record", record)
+        mp.setattr(journal, "write", write)
         mp.setattr(journal, "clear", clear)
 
     return install
