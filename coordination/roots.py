@@ -74,7 +74,16 @@ async def restore_target(
     unreachable location is refused here, while a checkpoint simply absent
     under a readable parent is the restore's own typed "missing Gym
     manifest" failure, as before."""
-    await readable(location if latest else _parent_or_self(location))
+    if latest:
+        await readable(location)
+    else:
+        parent = _parent_or_self(location)
+        try:
+            await readable(parent)
+        except InvalidRequest as exc:
+            if parent == location:
+                raise
+            raise InvalidRequest(f"checkpoint location {location!r}: {exc.detail}") from None
     return await asyncio.to_thread(_restore_target, location, episode_ids, latest)
 
 
