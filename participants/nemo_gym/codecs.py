@@ -145,8 +145,8 @@ class Codecs:
         if entry is not None:
             try:
                 data = entry.codec.encode(value)
-            except InvalidCheckpointState:
-                raise
+            except InvalidCheckpointState as exc:
+                raise InvalidCheckpointState(f"{path} is {type_name(t)}: {exc.detail}") from None
             except Exception as exc:
                 raise InvalidCheckpointState(
                     f"{path} is {type_name(t)}: its codec failed: {exc!r}"[:500]
@@ -221,8 +221,8 @@ class Codecs:
         value = self._dec(inner, path)
         try:
             return entry.codec.decode(value)
-        except InvalidCheckpointState:
-            raise
+        except InvalidCheckpointState as exc:
+            raise InvalidCheckpointState(f"{path}: {exc.detail}") from None
         except Exception as exc:
             raise InvalidCheckpointState(f"{path}: codec {tag!r} failed: {exc!r}"[:500]) from None
 
