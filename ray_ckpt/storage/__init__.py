@@ -1,4 +1,9 @@
-"""Checkpoint storage: records files, participant manifests, the Gym manifest."""
+"""Checkpoint storage: records files, participant manifests, the Gym manifest.
+
+Everything goes through a `Blobs` (`blobs.py`) that `open_location` makes from
+a location: an absolute path or `file://` URI (`LocalBlobs`), or `s3://` /
+`gs://` (`ObjectBlobs`, via obstore).  `check_location` probes one up front.
+"""
 
 from ray_ckpt.storage.blobs import BlobInfo, BlobMissing, Blobs, is_temp
 from ray_ckpt.storage.durable import WriteStop

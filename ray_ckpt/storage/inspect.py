@@ -1,4 +1,5 @@
-"""`ray-ckpt inspect DIR`: validate a checkpoint directory without Ray.
+"""`ray-ckpt inspect LOCATION`: validate a checkpoint (a directory or an
+object-store URI such as `s3://bucket/run`) without Ray.
 
 `inspect_checkpoint` verifies everything `verify_checkpoint` does and returns
 a flat report (encode it with msgspec for ``--json``); `render_inspect` turns

@@ -12,6 +12,10 @@ caller can resume and checkpoint elsewhere.
 Other I/O failures (disk full, EIO, quota) are the storage's trouble, not the
 request's: 503 `participant_unavailable`, retryable (a retried commit writes
 again from a new temp file).
+
+An object store makes the same split in `object_blobs.store_error`: a missing
+bucket, refused credentials or a bad path are 400 `invalid_request`; an
+unreachable endpoint or a 5xx after the client's retries is 503.
 """
 
 from __future__ import annotations
