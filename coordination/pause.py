@@ -5,13 +5,19 @@ which roles the open checkpoint has paused, so every failure path can undo
 exactly what was paused.  In "full" mode prepare pauses the assembler and the
 trainer; in "barrier" mode prepare pauses only the assembler and commit holds
 the trainer for the commit calls alone.
+
+A target's methods may take no arguments (NeMo RL's `AsyncTrajectoryCollector`
+has ``pause()`` and ``resume()``): a Ray actor method refuses our
+``(checkpoint_id, deadline_s)`` when the call is bound, before anything runs,
+and the target is then called without them from then on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any
 
 from coordination.fanout import failure
@@ -55,7 +61,9 @@ class ControllerPauses:
             # Recorded before the call: a pause that half-happened is still undone.
             self.paused.append(role)
             try:
-                await asyncio.wait_for(target.pause(cid, deadline_s), self.timeouts.pause_s)
+                await asyncio.wait_for(
+                    _called(target, partial(target.pause, cid, deadline_s)), self.timeouts.pause_s
+                )
             except TimeoutError:
                 err: CheckpointError = DeadlineExceeded(f"{role} did not pause in time")
                 raise CoordinationFailed(
@@ -78,7 +86,9 @@ class ControllerPauses:
             if target is None:
                 continue
             try:
-                await asyncio.wait_for(target.resume(cid), self.timeouts.pause_s)
+                await asyncio.wait_for(
+                    _called(target, partial(target.resume, cid)), self.timeouts.pause_s
+                )
             except Exception as exc:
                 # Any failure of one target (a bug in it included) is reported;
                 # the others are still resumed.
@@ -91,3 +101,26 @@ class ControllerPauses:
                 failures[role] = failure(err)
                 log.warning("resume of %s for %s failed: %s", role, cid, exc)
         return failures
+
+
+async def _called(target: PauseTarget, call: Callable[[], Awaitable[Any]]) -> Any:
+    """`call()`, once more without arguments if the target's method takes none.
+
+    A Ray actor method raises `TypeError` while the call is bound, before it
+    is submitted (remote failures arrive as `CheckpointError`), so a retry
+    never runs the method twice.  A method that takes neither form is a typed
+    refusal, not a `TypeError` out of the coordinator.
+    """
+    try:
+        return await call()
+    except TypeError as exc:
+        if getattr(target, "pass_args", None) is not True:
+            raise InvalidRequest(f"{target.role} refused the call: {exc}") from None
+        target.pass_args = False  # type: ignore[attr-defined]
+    try:
+        return await call()
+    except TypeError as exc:
+        raise InvalidRequest(
+            f"{target.role}: its pause/resume methods take neither "
+            f"(checkpoint_id, deadline_s) nor no arguments: {exc}"
+        ) from None
