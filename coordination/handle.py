@@ -21,8 +21,8 @@ from typing import Any, Literal
 
 from coordination import roots
 from coordination.connect import connect
-from coordination.hosts import _unwrap_ray_error
-from coordination.periodic import DEFAULT_PREFIX, episode_list
+from coordination.periodic import DEFAULT_PREFIX
+from coordination.remote import CoordinatorCalls, EpisodeLike, episodes, restore_args
 from coordination.results import (
     CheckpointResult,
     CommitResult,
@@ -40,43 +40,13 @@ from ray_ckpt.storage.retention import DEFAULT_GRACE_S, GcPlan
 
 __all__ = ["CoordinatorHandle", "EpisodeLike", "connect", "episodes"]
 
-EpisodeLike = EpisodeId | str | tuple[str, int]
-
-
-def episodes(items: Iterable[EpisodeLike] | None) -> list[EpisodeId] | None:
-    """EpisodeIds from EpisodeIds, capture keys (`r`, `r-a2`) or (rollout, attempt)."""
-    return None if items is None else episode_list(items)
-
-
-def _restore_args(
-    episode_ids: Iterable[EpisodeLike] | Literal["latest"] | None, latest: bool
-) -> tuple[list[EpisodeId] | None, bool]:
-    if episode_ids == "latest":  # restore(root, "latest"): every episode it holds
-        return None, True
-    return episodes(episode_ids), latest
-
 
 class CoordinatorHandle:
     def __init__(self, actor: Any, namespace: str) -> None:
         self.actor = actor
         self.namespace = namespace
-
-    def _sync(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        import ray
-
-        try:
-            return ray.get(getattr(self.actor, method).remote(*args, **kwargs))
-        except Exception as exc:
-            # No `except CheckpointError: raise` first: Ray's `RayTaskError`
-            # for a remote CheckpointError is also an instance of it (a
-            # dual-class wrapper whose str() is the remote traceback).
-            raise _unwrap_ray_error(exc, f"coordinator {method}") from None
-
-    async def _async(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return await getattr(self.actor, method).remote(*args, **kwargs)
-        except Exception as exc:
-            raise _unwrap_ray_error(exc, f"coordinator {method}") from None
+        calls = CoordinatorCalls(actor)
+        self._sync, self._async = calls.sync, calls.call
 
     # --- checkpoint ------------------------------------------------------------
     def checkpoint(
@@ -198,7 +168,7 @@ class CoordinatorHandle:
         `allow_without_gym_manifest`: restore a directory NeMo Gym's controller
         wrote (participant manifests only, no ``gym/_manifest.json``), after
         checking each participant's manifest is there, complete and of one ID."""
-        eps, latest = _restore_args(episode_ids, latest)
+        eps, latest = restore_args(episode_ids, latest)
         res: RestoreResult = self._sync(
             "restore",
             str(checkpoint_dir),
@@ -218,7 +188,7 @@ class CoordinatorHandle:
         allow_without_gym_manifest: bool = False,
         latest: bool = False,
     ) -> RestoreResult:
-        eps, latest = _restore_args(episode_ids, latest)
+        eps, latest = restore_args(episode_ids, latest)
         res: RestoreResult = await self._async(
             "restore",
             str(checkpoint_dir),
