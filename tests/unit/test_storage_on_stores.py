@@ -13,11 +13,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import pytest
 
 from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest
 from ray_ckpt.storage import (
+    WriteStop,
     open_location,
     read_gym_manifest,
     read_participant,
@@ -25,7 +28,7 @@ from ray_ckpt.storage import (
     write_gym_manifest,
     write_participant,
 )
-from ray_ckpt.storage.blobs import is_temp
+from ray_ckpt.storage.blobs import Blobs, is_temp
 from ray_ckpt.storage.participant_manifest import participant_key
 from ray_ckpt.storage.record import Record
 from ray_ckpt.storage.seam import FileRecordStore
@@ -229,3 +232,81 @@ def _wait_for_parts(endpoint: S3Endpoint, where: str) -> None:
                 return
         time.sleep(0.05)
     raise AssertionError("no multipart upload with parts appeared")
+
+
+def test_a_stop_while_records_stream_publishes_nothing_and_leaves_no_upload(
+    where: str, request: pytest.FixtureRequest
+) -> None:
+    stop = WriteStop()
+
+    def stream() -> Iterator[Record]:
+        for i in range(40):
+            if i == 30:  # ~15 MiB in: on the store, a multipart upload is under way
+                stop.stop()
+            yield Record(f"r{i}", {"pad": "p" * 500_000})
+
+    with pytest.raises(InvalidCheckpointState, match="write stopped"):
+        write_participant(
+            where, kind="agent", instance="i0", checkpoint_id="c1", records=stream(), stop=stop
+        )
+    assert open_location(where).list() == []
+    if where.startswith("s3://"):
+        endpoint: S3Endpoint = request.getfixturevalue("s3_endpoint")
+        prefix = where.removeprefix(f"s3://{endpoint.bucket}/")
+        uploads = s3_client(endpoint).list_multipart_uploads(  # type: ignore[attr-defined]
+            Bucket=endpoint.bucket, Prefix=prefix
+        )
+        assert uploads.get("Uploads", []) == []  # aborted, not left to a lifecycle rule
+
+
+class _Racing:
+    """A `Blobs` that lets a rival writer commit just before our manifest create."""
+
+    def __init__(self, inner: Blobs, rival: Callable[[], object]) -> None:
+        self._inner = inner
+        self._rival: Callable[[], object] | None = rival
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def create(self, key: str, data: bytes) -> bytes | None:
+        if self._rival is not None and key.endswith("/manifest.json"):
+            rival, self._rival = self._rival, None
+            rival()
+        return self._inner.create(key, data)
+
+
+def test_losing_the_manifest_race_refuses_and_removes_only_its_own_records(where: str) -> None:
+    inner = open_location(where)
+
+    def rival() -> object:
+        return write_participant(
+            inner, kind="agent", instance="i0", checkpoint_id="c1", records=recs("rival")
+        )
+
+    racing = cast(Blobs, _Racing(inner, rival))
+    with pytest.raises(InvalidCheckpointState, match="different commit"):
+        write_participant(
+            racing, kind="agent", instance="i0", checkpoint_id="c1", records=recs("mine")
+        )
+    m, got = read_participant(where, kind="agent", instance="i0", checkpoint_id="c1")
+    assert got == recs("rival")
+    assert [i.key for i in inner.list()] == sorted(
+        [f"gym/agent/i0/{m.records_file}", "gym/agent/i0/manifest.json"]
+    )
+
+
+def test_the_same_records_racing_is_one_commit(where: str) -> None:
+    inner = open_location(where)
+
+    def twin() -> object:
+        return write_participant(
+            inner, kind="agent", instance="i0", checkpoint_id="c1", records=recs("same")
+        )
+
+    racing = cast(Blobs, _Racing(inner, twin))
+    mine = write_participant(
+        racing, kind="agent", instance="i0", checkpoint_id="c1", records=recs("same")
+    )
+    assert mine == read_participant(where, kind="agent", instance="i0", checkpoint_id="c1")[0]
+    assert len(inner.list()) == 2  # the winner's records and manifest only
