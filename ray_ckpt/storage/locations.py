@@ -59,6 +59,10 @@ def _file_path(text: str) -> pathlib.Path:
 
 def _object_store(text: str) -> Blobs:
     parts = urllib.parse.urlsplit(text)
+    if "@" in parts.netloc:
+        # Never echo what may be a secret: the message names the bucket only.
+        shown = f"{parts.scheme}://***@{parts.netloc.rpartition('@')[2]}{parts.path}"
+        raise refuse(shown, "holds credentials; give them through the environment")
     if not parts.netloc:
         raise refuse(text, "names no bucket")
     if parts.query or parts.fragment:

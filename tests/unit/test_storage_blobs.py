@@ -196,6 +196,14 @@ def test_object_store_urls_are_checked(s3_endpoint: S3Endpoint) -> None:
     assert open_location(url).url == url
 
 
+def test_credentials_in_a_uri_are_refused_and_never_echoed() -> None:
+    with pytest.raises(InvalidRequest) as err:
+        open_location("s3://AKIA:s3cr3t@bucket/x")
+    assert "s3cr3t" not in str(err.value)
+    assert "AKIA" not in str(err.value)
+    assert "bucket/x" in str(err.value)
+
+
 def test_check_location_on_the_store(s3_endpoint: S3Endpoint) -> None:
     url = s3_endpoint.location()
     blobs = check_location(url, for_write=True)
