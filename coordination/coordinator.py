@@ -238,7 +238,8 @@ class Coordinator:
         strict: bool = False,
     ) -> CommitResult:
         await self._ready()
-        await writable(checkpoint_dir)
+        if self.core.open is not None:  # else it is refused without touching storage
+            await writable(checkpoint_dir)
         return await self.core.commit(
             checkpoint_dir,
             scope,
@@ -266,9 +267,11 @@ class Coordinator:
         commit_s: float | None = None,
         strict: bool = False,
     ) -> CheckpointResult:
-        # Before anyone is paused: a location that cannot be written is refused.
-        await writable(checkpoint_dir)
         await self._ready(discover=True)
+        # Before anyone is paused: a location that cannot be written is refused
+        # (unless a checkpoint is open: that refusal needs no storage).
+        if self.core.open is None:
+            await writable(checkpoint_dir)
         return await self.core.checkpoint(
             checkpoint_dir,
             scope,

@@ -97,6 +97,10 @@ def test_bad_locations_are_refused_before_anyone_is_paused(
                 call()
             assert where in info.value.detail
     assert prepares(hosts) == 0, "no prepare was sent"
+    # Refused for another reason (nothing prepared): no storage touched either.
+    with pytest.raises(CheckpointConflict):
+        gym.commit(str(tmp_path / "never"))
+    assert not (tmp_path / "never").exists()
     assert {r.phase for r in gym.status().participants} == {"idle"}
     assert gym.status().periodic is None
 
