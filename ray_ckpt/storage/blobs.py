@@ -13,8 +13,14 @@ here once, and each backend says how it keeps them:
 - `replace` atomically swaps a small pointer object (`LATEST`);
 - a `read`/`stream` of a key returns exactly the bytes one writer published.
 
-This module holds the protocol and the location parser; the backends live
-beside it.  Keys never start with `/` and never hold `..` (`check_key`).
+Every backend raises typed errors only: `BlobMissing` for an absent key,
+`InvalidRequest` for a location that cannot be used (no permission, no such
+bucket, a path through a file), `ParticipantUnavailable` for a failure that
+may heal (disk full, an endpoint down), `InvalidCheckpointState` for a taken
+key or an aborted fsync.
+
+This module holds the protocol; `locations` parses a location into one of
+the backends beside it.  Keys never start with `/` and never hold `..` (`check_key`).
 """
 
 from __future__ import annotations

@@ -12,9 +12,10 @@ Each `Blobs` guarantee is kept with the durable steps of `durable.py`:
   appears for a complete, fsynced file.
 
 Temp files are named by `blobs.temp_key`, so a crash leaves names that
-`blobs.is_temp` recognises and garbage collection can remove.  OS errors
-propagate as `OSError`; `location.directory_errors` maps them to the typed
-errors of an unusable location or a failing disk.
+`blobs.is_temp` recognises and garbage collection can remove.  OS errors are
+mapped as `location.directory_errors` says (an unusable location is
+`InvalidRequest`, a failing disk `ParticipantUnavailable`), so callers see the
+same typed errors from every backend.
 """
 
 from __future__ import annotations
@@ -27,21 +28,24 @@ from collections.abc import Callable, Iterator, Sequence
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.storage import durable
 from ray_ckpt.storage.blobs import BlobInfo, BlobMissing, check_key, temp_key
+from ray_ckpt.storage.location import directory_errors
 
 _READ_CHUNK = 4 << 20
 
 
 class _FileUpload:
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, url: str) -> None:
         self._fd = fd
+        self._url = url
         self.size = 0
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data)
         self.size += len(view)
-        while view:
-            n = os.write(self._fd, view)
-            view = view[n:]
+        with directory_errors(self._url, "written"):
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
 
 
 class LocalBlobs:
@@ -60,95 +64,117 @@ class LocalBlobs:
     def path(self, key: str) -> pathlib.Path:
         return self.root / check_key(key)
 
+    def _errors(self, action: str) -> contextlib.AbstractContextManager[None]:
+        return directory_errors(self._url, action)
+
     def read(self, key: str) -> bytes:
-        try:
-            return self.path(key).read_bytes()
-        except FileNotFoundError:
-            raise BlobMissing(f"{self._where(key)} is missing") from None
+        with self._errors("read"):
+            try:
+                return self.path(key).read_bytes()
+            except FileNotFoundError:
+                raise BlobMissing(f"{self._where(key)} is missing") from None
 
     def stream(self, key: str) -> Iterator[bytes]:
         # Opened before the first chunk is asked for, so a missing key raises
         # at the call, not at the first `next`.
+        with self._errors("read"):
+            try:
+                fd = os.open(self.path(key), os.O_RDONLY)
+            except FileNotFoundError:
+                raise BlobMissing(f"{self._where(key)} is missing") from None
+        return self._chunks(fd)
+
+    def _chunks(self, fd: int) -> Iterator[bytes]:
         try:
-            fd = os.open(self.path(key), os.O_RDONLY)
-        except FileNotFoundError:
-            raise BlobMissing(f"{self._where(key)} is missing") from None
-        return _chunks(fd)
+            with self._errors("read"):
+                while data := os.read(fd, _READ_CHUNK):
+                    yield data
+        finally:
+            os.close(fd)
 
     def create(self, key: str, data: bytes) -> bytes | None:
-        final = self.path(key)
-        durable.ensure_dir(final.parent)
-        return durable.create_never_replace(final, data)
+        with self._errors("written"):
+            final = self.path(key)
+            durable.ensure_dir(final.parent)
+            return durable.create_never_replace(final, data)
 
     def replace(self, key: str, data: bytes) -> None:
-        final = self.path(key)
-        durable.ensure_dir(final.parent)
-        tmp = self.root / temp_key(key)
-        durable.write_new_file(tmp, data)
-        try:
-            os.replace(tmp, final)
-        except BaseException:
-            durable.unlink_quietly(tmp)
-            raise
-        durable.fsync_dir(final.parent)
+        with self._errors("written"):
+            final = self.path(key)
+            durable.ensure_dir(final.parent)
+            tmp = self.root / temp_key(key)
+            durable.write_new_file(tmp, data)
+            try:
+                os.replace(tmp, final)
+            except BaseException:
+                durable.unlink_quietly(tmp)
+                raise
+            durable.fsync_dir(final.parent)
 
     @contextlib.contextmanager
     def upload(
         self, key: str, *, before_publish: Callable[[], object] | None = None
     ) -> Iterator[_FileUpload]:
-        final = self.path(key)
-        durable.ensure_dir(final.parent)
-        tmp = self.root / temp_key(key)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        with self._errors("written"):
+            final = self.path(key)
+            durable.ensure_dir(final.parent)
+            tmp = self.root / temp_key(key)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             try:
-                yield _FileUpload(fd)
+                # Not under `_errors`: the caller's own exceptions pass as they are.
+                yield _FileUpload(fd, self._url)
                 durable.fsync_fd(fd, str(tmp))
             finally:
                 os.close(fd)
             if before_publish is not None:
                 before_publish()
-            try:
-                os.link(tmp, final)
-            except FileExistsError:
-                raise InvalidCheckpointState(f"{self._where(key)} already exists") from None
-            durable.fsync_dir(final.parent)
+            with self._errors("written"):
+                try:
+                    os.link(tmp, final)
+                except FileExistsError:
+                    raise InvalidCheckpointState(f"{self._where(key)} already exists") from None
+                durable.fsync_dir(final.parent)
         finally:
             durable.unlink_quietly(tmp)
 
     def list(self, prefix: str = "") -> list[BlobInfo]:
         base = self.root / check_key(prefix.rstrip("/")) if prefix.strip("/") else self.root
-        if base.is_file():
-            return [self._info(base)] if base.name else []
-        found: list[BlobInfo] = []
-        for dirpath, _dirs, files in os.walk(base):
-            for name in files:
-                with contextlib.suppress(FileNotFoundError):  # removed while listing
-                    found.append(self._info(pathlib.Path(dirpath, name)))
+        with self._errors("read"):
+            if base.is_file():
+                return [self._info(base)]
+            found: list[BlobInfo] = []
+            for dirpath, _dirs, files in os.walk(base):
+                for name in files:
+                    with contextlib.suppress(FileNotFoundError):  # removed while listing
+                        found.append(self._info(pathlib.Path(dirpath, name)))
         return sorted(found, key=lambda info: info.key)
 
     def delete(self, keys: Sequence[str]) -> None:
         parents: set[pathlib.Path] = set()
-        for key in keys:
-            path = self.path(key)
-            durable.unlink_quietly(path)
-            parents.add(path.parent)
-        # One fsync per directory, not per file: the local form of a batch.
-        for parent in sorted(parents):
-            with contextlib.suppress(FileNotFoundError):
-                durable.fsync_dir(parent)
+        with self._errors("written"):
+            for key in keys:
+                path = self.path(key)
+                durable.unlink_quietly(path)
+                parents.add(path.parent)
+            # One fsync per directory, not per file: the local form of a batch.
+            for parent in sorted(parents):
+                with contextlib.suppress(FileNotFoundError):
+                    durable.fsync_dir(parent)
 
     def info(self, key: str) -> BlobInfo:
         path = self.path(key)
-        try:
-            if not path.is_file():
-                raise FileNotFoundError(key)
-            return self._info(path)
-        except FileNotFoundError:
-            raise BlobMissing(f"{self._where(key)} is missing") from None
+        with self._errors("read"):
+            try:
+                if not path.is_file():
+                    raise FileNotFoundError(key)
+                return self._info(path)
+            except FileNotFoundError:
+                raise BlobMissing(f"{self._where(key)} is missing") from None
 
     def exists(self, key: str) -> bool:
-        return self.path(key).is_file()
+        with self._errors("read"):
+            return self.path(key).is_file()
 
     def _info(self, path: pathlib.Path) -> BlobInfo:
         st = path.stat()
@@ -157,11 +183,3 @@ class LocalBlobs:
 
     def _where(self, key: str) -> str:
         return f"{self._url.rstrip('/')}/{key}"
-
-
-def _chunks(fd: int) -> Iterator[bytes]:
-    try:
-        while data := os.read(fd, _READ_CHUNK):
-            yield data
-    finally:
-        os.close(fd)

@@ -227,3 +227,17 @@ def test_unreachable_store_is_refused_without_leaking_credentials(
         check_location(s3_endpoint.location(), for_write=True)
     assert "s3cr3t" not in str(err.value)
     assert s3_endpoint.bucket in str(err.value)
+
+
+def test_local_os_errors_come_out_typed(tmp_path: pathlib.Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    blobs = open_location(str(blocker / "sub"))
+    for call in (
+        lambda: blobs.create("k", b"v"),
+        lambda: blobs.replace("k", b"v"),
+        lambda: blobs.read("k"),
+        lambda: blobs.upload("k").__enter__(),
+    ):
+        with pytest.raises(InvalidRequest, match="file/sub"):
+            call()
