@@ -82,10 +82,12 @@ class Blobs(Protocol):
         partly; on an exception nothing is published.  A taken key raises
         `InvalidCheckpointState`.
 
-        `before_publish` runs on the caller's thread at the exit, once every
-        byte is stored (fsynced; or sent, short of completing the upload) and
-        just before the object becomes visible: if it raises, nothing is
-        published.  A `WriteStop` takes its lock there."""
+        `before_publish` runs on the caller's thread at the exit, after every
+        byte was written (on disk: and fsynced; on a store: handed to the
+        upload, whose last parts and completion follow) and before the object
+        can become visible: if it raises, nothing is published.  A
+        `WriteStop` takes its lock there, so on a store `stop()` may wait for
+        the tail of an upload."""
         ...
 
     def list(self, prefix: str = "") -> list[BlobInfo]:
