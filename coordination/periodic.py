@@ -41,7 +41,7 @@ from coordination.results import CheckpointResult, PeriodicStatus
 from ray_ckpt.clock import Clock
 from ray_ckpt.errors import CheckpointConflict, CheckpointError, DeadlineExceeded, InvalidRequest
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.storage.catalog import join_location
+from ray_ckpt.storage.pointer import join_location
 from ray_ckpt.storage.retention import GcPlan
 
 log = logging.getLogger(__name__)

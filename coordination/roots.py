@@ -25,15 +25,9 @@ from typing import Any
 from coordination.manifests import write_gym_manifest_from_replies
 from ray_ckpt.errors import CheckpointError, InvalidRequest
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.storage.catalog import (
-    CheckpointEntry,
-    latest_location,
-    scan,
-    scan_one,
-    split_location,
-    write_latest_for,
-)
+from ray_ckpt.storage.catalog import CheckpointEntry, latest_location, scan, scan_one
 from ray_ckpt.storage.locations import check_location, open_location
+from ray_ckpt.storage.pointer import split_location, write_latest_for
 from ray_ckpt.storage.retention import DEFAULT_GRACE_S, GcPlan, collect
 
 log = logging.getLogger(__name__)

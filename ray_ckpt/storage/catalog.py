@@ -1,11 +1,12 @@
-"""The checkpoints under a root: listing, the `LATEST` pointer, `latest`.
+"""The checkpoints under a root: listing, completeness, `latest`.
 
 A root holds one checkpoint per top-level name, ``<root>/<name>/``, and the
 Gym part of each lives under ``<name>/gym/`` (the trainer may keep its own
-files beside it; nothing here reads or deletes them).  After the Gym manifest,
-the coordinator replaces ``<root>/LATEST`` atomically to name the checkpoint
-it just completed; `LATEST` is a hint, never the commit point: a crash
-between the two leaves a complete checkpoint that `LATEST` does not name yet.
+files beside it; nothing here reads or deletes them), plus the `LATEST`
+pointer (`ray_ckpt.storage.pointer`).  `latest` is the checkpoint `LATEST`
+names when it is complete, else the newest complete one by time: a crash
+between the Gym manifest and the pointer leaves a complete checkpoint that
+`LATEST` does not name yet.
 
 Complete means a verifiable Gym manifest: it decodes, every participant
 manifest it lists is there with the digest it records, and each names a
@@ -29,23 +30,15 @@ from typing import Any
 
 import msgspec
 
-from ray_ckpt.errors import CheckpointError, InvalidCheckpointState, InvalidRequest
+from ray_ckpt.errors import CheckpointError, InvalidCheckpointState
 from ray_ckpt.storage.blobs import BlobInfo, BlobMissing, Blobs, is_temp
 from ray_ckpt.storage.gym_manifest import GYM_MANIFEST_NAME, GymManifest
 from ray_ckpt.storage.participant_store import MANIFEST_NAME, SCHEMA_VERSION
+from ray_ckpt.storage.pointer import LatestPointer, join_location, read_latest
 
 log = logging.getLogger(__name__)
 
-LATEST_KEY = "LATEST"
 GYM = "gym"
-
-
-class LatestPointer(msgspec.Struct, frozen=True):
-    """What `LATEST` holds: the checkpoint's name under the root and its ID
-    (so a name reused for another checkpoint is not mistaken for it)."""
-
-    name: str
-    checkpoint_id: str
 
 
 class CheckpointEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -90,58 +83,6 @@ class Catalog(msgspec.Struct, frozen=True, kw_only=True):
 
 def _order(s: Scanned) -> tuple[float, str]:
     return (s.entry.time, s.entry.name)
-
-
-# --- locations ----------------------------------------------------------------
-
-
-def split_location(location: str) -> tuple[str, str]:
-    """(parent location, name) of a checkpoint location: where its `LATEST`
-    goes and what it says.  `InvalidRequest` if there is no parent to use."""
-    text = location.rstrip("/")
-    scheme, sep, rest = text.partition("://")
-    base = rest if sep else text
-    parent, slash, name = base.rpartition("/")
-    if sep and slash and not parent and base.startswith("/"):
-        parent = "/"  # file:///name
-    if not slash or not name or (sep and not parent):
-        raise InvalidRequest(f"checkpoint location {location!r} has no parent to hold LATEST")
-    if not sep:
-        return parent or "/", name
-    return f"{scheme}://{parent}" if parent != "/" else f"{scheme}:///", name
-
-
-def join_location(root: str, name: str) -> str:
-    return f"{root}{name}" if root.endswith("/") else f"{root}/{name}"
-
-
-# --- LATEST -------------------------------------------------------------------
-
-
-def write_latest(blobs: Blobs, name: str, checkpoint_id: str) -> None:
-    """Point `LATEST` at `name` (atomic: readers see the old or the new one)."""
-    blobs.replace(LATEST_KEY, msgspec.json.encode(LatestPointer(name, checkpoint_id)) + b"\n")
-
-
-def write_latest_for(checkpoint_dir: str, checkpoint_id: str) -> None:
-    """After the Gym manifest of `checkpoint_dir`: its parent's `LATEST` names it."""
-    from ray_ckpt.storage.locations import open_location
-
-    parent, name = split_location(checkpoint_dir)
-    write_latest(open_location(parent), name, checkpoint_id)
-
-
-def read_latest(blobs: Blobs) -> LatestPointer | None:
-    """The pointer, or None if absent or unreadable (it is only a hint)."""
-    try:
-        data = blobs.read(LATEST_KEY)
-    except BlobMissing:
-        return None
-    try:
-        return msgspec.json.decode(data, type=LatestPointer)
-    except msgspec.DecodeError:
-        log.warning("%s/%s is unreadable; ignored", blobs.url, LATEST_KEY)
-        return None
 
 
 # --- what a checkpoint needs --------------------------------------------------

@@ -11,8 +11,8 @@ import os
 import pathlib
 
 from ray_ckpt.storage import write_gym_manifest, write_participant
-from ray_ckpt.storage.catalog import write_latest
 from ray_ckpt.storage.locations import open_location
+from ray_ckpt.storage.pointer import write_latest
 from ray_ckpt.storage.record import Record
 
 PARTS = (("agent", "a0"), ("environment", "e0"))

@@ -8,20 +8,17 @@ import pytest
 
 from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest
 from ray_ckpt.storage import catalog
-from ray_ckpt.storage.catalog import (
+from ray_ckpt.storage.catalog import latest_location, needed_keys, pick_latest, scan, scan_one
+from ray_ckpt.storage.locations import open_location
+from ray_ckpt.storage.pointer import (
     LATEST_KEY,
+    LatestPointer,
     join_location,
-    latest_location,
-    needed_keys,
-    pick_latest,
     read_latest,
-    scan,
-    scan_one,
     split_location,
     write_latest,
     write_latest_for,
 )
-from ray_ckpt.storage.locations import open_location
 from tests.unit.catalog_fixtures import PARTS, commit, date
 
 T0 = 1_700_000_000.0
@@ -79,7 +76,7 @@ def test_latest_is_the_pointer_when_it_names_a_complete_one(tmp_path: pathlib.Pa
     commit(tmp_path, "new", T0 + 10)
     assert pick_latest(scan(blobs)).entry.name == "new"  # no pointer: newest by time
     write_latest(blobs, "old", "ckpt-old")
-    assert read_latest(blobs) == catalog.LatestPointer("old", "ckpt-old")
+    assert read_latest(blobs) == LatestPointer("old", "ckpt-old")
     assert pick_latest(scan(blobs)).entry.name == "old"
     # A pointer at an incomplete one, at a name reused by another checkpoint,
     # or at nothing readable falls back to the newest complete by time.
@@ -109,9 +106,7 @@ def test_no_complete_checkpoint_is_a_typed_error(tmp_path: pathlib.Path) -> None
 def test_write_latest_for_names_the_checkpoint_in_its_parent(tmp_path: pathlib.Path) -> None:
     commit(tmp_path, "step-7", T0)
     write_latest_for(f"{tmp_path}/step-7/", "ckpt-step-7")
-    assert read_latest(open_location(str(tmp_path))) == catalog.LatestPointer(
-        "step-7", "ckpt-step-7"
-    )
+    assert read_latest(open_location(str(tmp_path))) == LatestPointer("step-7", "ckpt-step-7")
     assert not list(tmp_path.glob(".LATEST.*")), "no temp object is left behind"
 
 

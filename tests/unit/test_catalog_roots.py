@@ -14,8 +14,9 @@ from coordination import roots
 from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage import read_gym_manifest, write_participant
-from ray_ckpt.storage.catalog import LatestPointer, read_latest, scan
+from ray_ckpt.storage.catalog import scan
 from ray_ckpt.storage.locations import open_location
+from ray_ckpt.storage.pointer import LatestPointer, read_latest
 from ray_ckpt.storage.record import Record
 from tests.unit.catalog_fixtures import commit
 

@@ -11,9 +11,10 @@ import pytest
 from ray_ckpt.errors import InvalidRequest
 from ray_ckpt.storage import catalog
 from ray_ckpt.storage.blobs import Blobs, temp_key
-from ray_ckpt.storage.catalog import needed_keys, scan, write_latest
+from ray_ckpt.storage.catalog import needed_keys, scan
 from ray_ckpt.storage.local_blobs import LocalBlobs
 from ray_ckpt.storage.locations import open_location
+from ray_ckpt.storage.pointer import write_latest
 from ray_ckpt.storage.retention import collect, plan_retention
 from tests.unit.catalog_fixtures import commit, files
 

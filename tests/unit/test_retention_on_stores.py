@@ -12,7 +12,8 @@ import pytest
 from coordination import roots
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage import open_location, write_participant
-from ray_ckpt.storage.catalog import join_location, latest_location, read_latest, scan
+from ray_ckpt.storage.catalog import latest_location, scan
+from ray_ckpt.storage.pointer import join_location, read_latest
 from ray_ckpt.storage.record import Record
 from ray_ckpt.storage.retention import collect
 from tests.s3_server import S3Endpoint, s3_endpoint
