@@ -30,12 +30,18 @@ from coordination.actor_options import (
     get_or_create_coordinator,
 )
 from coordination.core import CoordinatorCore
-from coordination.hosts import Host, RayHost, RayPauseTarget
+from coordination.hosts import Host, RayPauseTarget
 from coordination.journal import open_journal
 from coordination.membership import KindMismatch
 from coordination.order import Member
 from coordination.periodic import DEFAULT_PREFIX, AssemblerScope, PeriodicRunner
-from coordination.registration import discover_named, http_host, register_named
+from coordination.registration import (
+    discover_named,
+    http_host,
+    register_actor,
+    register_host,
+    register_named,
+)
 from coordination.results import (
     CheckpointResult,
     CommitResult,
@@ -134,13 +140,7 @@ class Coordinator:
         return await discover_named(self.core, self.namespace, refresh=refresh)
 
     async def register_actor(self, kind: str, name: str, handle: Any = None) -> str:
-        member = Member(kind, name)
-        if handle is None:
-            if not await self._register_named(member, member.key):
-                raise InvalidRequest(f"no actor named {member.key} in namespace {self.namespace}")
-        else:
-            await self.core.drop_host(await self.core.register_checked(RayHost(member, handle)))
-        return member.key
+        return await register_actor(self.core, self.namespace, Member(kind, name), handle)
 
     async def register_http(
         self,
@@ -153,13 +153,7 @@ class Coordinator:
         limit_per_host: int = 8,
     ) -> str:
         host = http_host(kind, name, url, token, limit=limit, limit_per_host=limit_per_host)
-        try:
-            old = await self.core.register_checked(host)
-        except BaseException:
-            await host.aclose()
-            raise
-        await self.core.drop_host(old)
-        return host.member.key
+        return await register_host(self.core, host)
 
     async def discover_http(
         self,

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from coordination.core import CoordinatorCore
-from coordination.hosts import HttpHost, RayHost
+from coordination.hosts import Host, HttpHost, RayHost
 from coordination.membership import KindMismatch
 from coordination.order import Member
 from ray_ckpt.control.client import ControlClient
 from ray_ckpt.control.protocol import KINDS
+from ray_ckpt.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,29 @@ async def discover_named(core: CoordinatorCore, namespace: str, *, refresh: bool
     if mismatched:
         raise KindMismatch("; ".join(mismatched))
     return sorted(core.hosts)
+
+
+async def register_actor(
+    core: CoordinatorCore, namespace: str, member: Member, handle: Any = None
+) -> str:
+    """Register an actor by handle, or (None) the live one named `member.key`."""
+    if handle is None:
+        if not await register_named(core, namespace, member, member.key):
+            raise InvalidRequest(f"no actor named {member.key} in namespace {namespace}")
+    else:
+        await core.drop_host(await core.register_checked(RayHost(member, handle)))
+    return member.key
+
+
+async def register_host(core: CoordinatorCore, host: Host) -> str:
+    """Register `host` once its status confirms its kind; closed if refused."""
+    try:
+        old = await core.register_checked(host)
+    except BaseException:
+        await host.aclose()
+        raise
+    await core.drop_host(old)
+    return host.member.key
 
 
 def http_host(
