@@ -259,3 +259,33 @@ async def test_an_unknown_type_fails_the_commit_typed_with_its_path(
     )
     assert not (tmp_path / "ck").exists() or not list((tmp_path / "ck").rglob("manifest.json"))
     await h.ctl.handle("resume", body("c1"))
+
+
+async def test_sidecar_mode_serves_the_control_routes_in_the_servers_process(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    from ray_ckpt.control.client import ControlClient
+
+    gym = wrap(CounterServer(), exported=True)
+    app = gym.sidecar_app(SETTINGS, instance="counter-sidecar")
+    sock = bind_socket("127.0.0.1", 0)
+    serving = await serve_app(app, sock, drain_s=0.5)
+    host, port = socket_address(sock)
+    url = f"http://{host}:{port}"
+    try:
+        await post(http, f"{url}/ng-rollout/r/seed_session", {"initial_count": 4})
+        async with ControlClient.from_settings(url, SETTINGS) as client:
+            assert (await client.status())["instance"] == "counter-sidecar"
+            await client.call("prepare", body("s1"))
+            reply = await client.call("commit", body("s1", checkpoint_dir=str(tmp_path / "ck")))
+            assert reply["episode_ids"] == ["r"]
+            await client.call("resume", body("s1"))
+            await client.call("retire", body("s2", episode_ids=[{"rollout_id": "r"}]))
+        # The front got the sidecar's controller: the retired attempt is refused.
+        status, err, _ = await post(http, f"{url}/ng-rollout/r/get_counter_value")
+        assert (status, err["error"]["code"]) == (409, "stale_attempt")
+    finally:
+        await serving.stop()
+        assert gym.front is not None
+        assert gym.front.controller is not None
+        await gym.front.controller.aclose()
