@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
+import msgspec
 import pytest
 
 from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest
@@ -29,7 +30,7 @@ from ray_ckpt.storage import (
     write_participant,
 )
 from ray_ckpt.storage.blobs import Blobs, is_temp
-from ray_ckpt.storage.participant_manifest import participant_key
+from ray_ckpt.storage.participant_manifest import encode_manifest, participant_key
 from ray_ckpt.storage.record import Record
 from ray_ckpt.storage.seam import FileRecordStore
 from tests.s3_server import S3Endpoint, s3_client, s3_endpoint
@@ -310,3 +311,20 @@ def test_the_same_records_racing_is_one_commit(where: str) -> None:
     )
     assert mine == read_participant(where, kind="agent", instance="i0", checkpoint_id="c1")[0]
     assert len(inner.list()) == 2  # the winner's records and manifest only
+
+
+def test_records_named_by_their_digest_are_still_read(where: str) -> None:
+    """Checkpoints written before records were named by a token still restore."""
+    m = write_participant(where, kind="agent", instance="i0", checkpoint_id="c1", records=recs())
+    blobs = open_location(where)
+    pkey = participant_key("agent", "i0")
+    old_name = f"records-{m.digest}.msgpack"
+    blobs.create(f"{pkey}/{old_name}", blobs.read(f"{pkey}/{m.records_file}"))
+    blobs.delete([f"{pkey}/{m.records_file}", f"{pkey}/manifest.json"])
+    old = msgspec.structs.replace(m, records_file=old_name)
+    blobs.create(f"{pkey}/manifest.json", encode_manifest(old))
+    write_gym_manifest(where, checkpoint_id="c1", manifests=[old])
+    got_m, got = read_participant(where, kind="agent", instance="i0", checkpoint_id="c1")
+    assert got_m.records_file == old_name
+    assert got == recs()
+    assert verify_checkpoint(where).ok
