@@ -12,7 +12,8 @@
 nemo_gym itself is imported only by `hosted` (the server classes are yours).
 """
 
-from participants.nemo_gym.codecs import AttributesCodec, Codecs, SessionCodec, type_name
+from participants.nemo_gym.builtin_codecs import AttributesCodec
+from participants.nemo_gym.codecs import Codecs, SessionCodec, type_name
 from participants.nemo_gym.factory import build_server, hosted, standalone_client
 from participants.nemo_gym.front import SESSION_ID_KEY, EpisodeFront, bind_sessions
 from participants.nemo_gym.server import NemoGymServer, SessionStates, session_fields, wrap

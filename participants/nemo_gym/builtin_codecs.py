@@ -1,4 +1,4 @@
-"""The built-in session codecs: `random.Random`, numpy and pandas values.
+"""The built-in session codecs (`random.Random`, numpy, pandas) and `AttributesCodec`.
 
 numpy and pandas are optional: their codecs are registered only when the
 package imports (a server that holds a numpy array has numpy installed).
@@ -10,6 +10,7 @@ dtypes, index and values.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ray_ckpt.errors import InvalidCheckpointState
@@ -28,6 +29,31 @@ class RandomCodec:
         rng = random.Random()
         rng.setstate(data)
         return rng
+
+
+class AttributesCodec:
+    """Objects of a class as a chosen set of their attributes.
+
+    `make(attrs)` builds a fresh object from the decoded attributes (e.g. runs
+    the constructor with the saved config), then each attribute is set on it.
+    Without `make`, the object is created without calling `__init__`.
+    """
+
+    def __init__(
+        self, cls: type, attrs: Iterable[str], make: Callable[[dict[str, Any]], Any] | None = None
+    ) -> None:
+        self.cls = cls
+        self.attrs = tuple(attrs)
+        self.make = make
+
+    def encode(self, value: Any) -> Any:
+        return {name: getattr(value, name) for name in self.attrs}
+
+    def decode(self, data: Any) -> Any:
+        obj = self.make(data) if self.make is not None else object.__new__(self.cls)
+        for name, value in data.items():
+            setattr(obj, name, value)
+        return obj
 
 
 def register_builtins(codecs: Codecs) -> None:

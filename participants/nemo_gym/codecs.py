@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from ray_ckpt.errors import InvalidCheckpointState
@@ -286,36 +286,3 @@ _STRUCTURAL: dict[str, Callable[[Codecs, Any, str], Any]] = {
     "pydantic": _dec_pydantic,
 }
 _RESERVED = frozenset(_STRUCTURAL)
-
-
-def codecs_with(extra: Iterable[tuple[type, SessionCodec]] = ()) -> Codecs:
-    """The built-ins plus `extra` `(type, codec)` pairs."""
-    codecs = Codecs()
-    for type_, codec in extra:
-        codecs.register(type_, codec)
-    return codecs
-
-
-class AttributesCodec:
-    """Objects of a class as a chosen set of their attributes.
-
-    `make(attrs)` builds a fresh object from the decoded attributes (e.g. runs
-    the constructor with the saved config), then each attribute is set on it.
-    Without `make`, the object is created without calling `__init__`.
-    """
-
-    def __init__(
-        self, cls: type, attrs: Iterable[str], make: Callable[[dict[str, Any]], Any] | None = None
-    ) -> None:
-        self.cls = cls
-        self.attrs = tuple(attrs)
-        self.make = make
-
-    def encode(self, value: Any) -> Any:
-        return {name: getattr(value, name) for name in self.attrs}
-
-    def decode(self, data: Any) -> Any:
-        obj = self.make(data) if self.make is not None else object.__new__(self.cls)
-        for name, value in data.items():
-            setattr(obj, name, value)
-        return obj

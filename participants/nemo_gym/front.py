@@ -229,13 +229,13 @@ class EpisodeFront:
         if episode is None:
             await self.app(scope, receive, send)
             return
+        if route == CLOSE_ROUTE:
+            await self._close(episode, scope, receive, send)
+            return
         try:
             self._check(episode)
         except CheckpointError as exc:
             await send_error(send, exc)
-            return
-        if route == CLOSE_ROUTE:
-            await self._close(episode, scope, receive, send)
             return
         # A replayable verify may run during a checkpoint: admitted, not counted.
         counted = not (route in self.end_routes and self.verify_mode is StepMode.REPLAY)
@@ -252,7 +252,8 @@ class EpisodeFront:
             self.participant.leave(ticket)  # idempotent: usually left at the reply's end
 
     async def _close(self, episode: EpisodeId, scope: Scope, receive: Receive, send: Send) -> None:
-        # Never refused and never waits for resume: closing only frees.
+        # Never refused (not even for a retired attempt) and never waits for
+        # resume: closing only frees.
         if self.own_close:
             await send_json(send, {"closed": await self.participant.end_session(episode)})
             return

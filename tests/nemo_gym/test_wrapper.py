@@ -172,6 +172,8 @@ async def test_retired_and_superseded_attempts_are_refused_stale(
     assert status == 409
     assert err["error"]["code"] == "stale_attempt"
     assert h.server.session_id_to_counter == {}  # refused: nothing changed
+    # Closing is never refused, not even for the retired attempt.
+    assert (await post(http, h.at("r", "close_session")))[:2] == (200, {"closed": False})
     # The next attempt is served; a malformed key never reaches the server.
     assert (await post(http, h.at("r-a1", "seed_session")))[0] == 200
     status, err, _ = await post(http, h.at("_x", "seed_session"))
