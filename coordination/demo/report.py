@@ -38,6 +38,10 @@ class DemoReport:
     tokens_generated: int = 0
     tokens_continued: int = 0
     model_counts: dict[str, int] = field(default_factory=dict)
+    nodes: int = 1
+    node_killed: str | None = None
+    # kind -> node ID, "before" the crash and "after" the restore
+    placement: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def add_checkpoint(self, prepared: PrepareResult, committed: CommitResult) -> None:
         self.checkpoint_id = committed.checkpoint_id
@@ -126,6 +130,9 @@ class DemoReport:
             "tokens_continued_from_cuts": self.tokens_continued,
             "generation_cuts": self.model_counts,
             "participants": self.per_participant,
+            "nodes": self.nodes,
+            "node_killed": self.node_killed,
+            "placement": self.placement,
         }
 
 
@@ -184,3 +191,18 @@ class Ui:
             )
         self.out.print(run)
         self.out.print(parts)
+        if r.nodes > 1:
+            self.out.print(placement_table(r))
+
+
+def placement_table(r: DemoReport) -> Table:
+    """kind -> node (short IDs), before the crash and after the restore."""
+    table = Table(title=f"placement on {r.nodes} nodes")
+    for col in ("host", "before", "after"):
+        table.add_column(col)
+    before, after = r.placement.get("before", {}), r.placement.get("after", {})
+    for kind in sorted(before):
+        was, now = before[kind], after.get(kind, "")
+        lost = " (lost)" if was == r.node_killed else ""
+        table.add_row(kind, was[:12] + lost, now[:12])
+    return table

@@ -5,7 +5,10 @@ checkpoint is taken mid-flight (work mid-generation, mid-tool, mid-verify and
 parked); every Gym actor is killed; a fresh fleet restores and continues every
 unfinished episode as attempt + 1; the final results must equal an
 uninterrupted run of the same seeds.  With no `--address` it starts a local
-Ray (loopback only) and stops it at the end.  Exit status 0 only if every
+Ray (loopback only) and stops it at the end; `--nodes N` makes that a local
+cluster of N nodes the fleet spreads over, and `--kill-node` loses the node
+of the environment and agent hosts instead of killing the actors
+(`coordination/demo/nodes.py`).  Exit status 0 only if every
 result is equal, nothing was lost, and the checkpoint was put to the test:
 something was in flight when it was taken and some episode continued from it
 (`DemoReport.problems`).
@@ -16,8 +19,6 @@ Also runnable as `python -m coordination.demo` (e.g. under `ray job submit`).
 from __future__ import annotations
 
 import asyncio
-import logging
-import os
 import sys
 import tempfile
 import time
@@ -28,6 +29,7 @@ from typing import Any
 import click
 import msgspec
 
+from coordination.demo.nodes import LocalRay, start_ray
 from coordination.demo.report import DemoReport, Ui
 from coordination.demo.scenario import (
     Rollouts,
@@ -52,6 +54,8 @@ class DemoOptions:
     step_delay_s: float
     verify_delay_s: float
     stagger_s: float
+    nodes: int = 1
+    kill_node: bool = False
 
 
 def fleet_config(opts: DemoOptions, *, suffix: str, namespace: str) -> FleetConfig:
@@ -88,11 +92,12 @@ async def _wait_for_mixed_work(fleet: Any, rollouts: Rollouts, timeout_s: float)
     return seen
 
 
-async def run_demo(opts: DemoOptions, ui: Ui) -> DemoReport:
+async def run_demo(opts: DemoOptions, ui: Ui, ray_nodes: LocalRay | None = None) -> DemoReport:
     from coordination.handle import connect
 
     ns = opts.namespace
-    report = DemoReport(rollouts=opts.rollouts, steps=opts.steps)
+    local = ray_nodes or LocalRay(started=False)
+    report = DemoReport(rollouts=opts.rollouts, steps=opts.steps, nodes=local.nodes)
     ckpt_dir = opts.checkpoint_dir or tempfile.mkdtemp(prefix="ray-ckpt-demo-")
 
     # 1. The uninterrupted run the checkpointed one must equal.
@@ -110,7 +115,9 @@ async def run_demo(opts: DemoOptions, ui: Ui) -> DemoReport:
 
     handle = connect(namespace=ns, address=opts.address)
     config = fleet_config(opts, suffix="", namespace=ns)
-    fleet = await launch_fleet(config)
+    placement = local.placement(avoid=await node_of(handle.actor) if local.workers else None)
+    fleet = await launch_fleet(config, placement=placement)
+    report.placement["before"] = fleet.placement
     replacement = None
     try:
         handle.discover()
@@ -133,14 +140,21 @@ async def run_demo(opts: DemoOptions, ui: Ui) -> DemoReport:
             before = await fleet_stats(fleet)
             report.finished_before_crash = len(rollouts.results)
 
-            # 3. A crash before resume: every Gym actor dies.
-            with ui.phase("crash: kill every Gym actor", total=None):
+            # 3. A crash before resume: every Gym actor dies (with --kill-node
+            # the edge node goes away, and the survivors are replaced too: a
+            # restore installs one point in time into fresh processes).
+            what = "crash: lose the edge node" if opts.kill_node else "crash: kill every Gym actor"
+            with ui.phase(what, total=None):
+                if opts.kill_node:
+                    report.node_killed = local.kill_edge()
+                    placement = local.after_loss(placement, report.node_killed)
                 await crash(fleet, rollouts)
                 await handle.aresume()  # the dead hosts' leases are moot; clear the open checkpoint
 
             # 4. A fresh fleet restores and continues every unfinished rollout.
             with ui.phase("restore into a fresh fleet", total=None):
-                replacement = await launch_fleet(config)
+                replacement = await launch_fleet(config, placement=placement)
+                report.placement["after"] = replacement.placement
                 cont = await restore_and_continue(
                     handle, replacement, session, ckpt_dir, scope, rollouts
                 )
@@ -159,30 +173,21 @@ async def run_demo(opts: DemoOptions, ui: Ui) -> DemoReport:
         _kill_coordinator(handle)
 
 
+def _node_of(_self: Any) -> str:
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id())
+
+
+async def node_of(actor: Any) -> str:
+    """The node an actor runs on, asked of the actor itself."""
+    return str(await actor.__ray_call__.remote(_node_of))
+
+
 def _kill_coordinator(handle: Any) -> None:
     import ray
 
     ray.kill(handle.actor, no_restart=True)
-
-
-def _start_ray(address: str | None, namespace: str) -> bool:
-    """Attach to `address`, or start an embedded local Ray; True if we started it."""
-    import ray
-
-    if address is not None:
-        ray.init(address=address, namespace=namespace, log_to_driver=False)
-        return False
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        namespace=namespace,
-        # Unix socket paths are limited to ~107 chars: a short temp dir.
-        _temp_dir=tempfile.mkdtemp(prefix="rcd", dir="/tmp"),
-        logging_level=logging.WARNING,
-        log_to_driver=False,
-    )
-    return True
 
 
 @click.command(name="demo")
@@ -198,19 +203,32 @@ def _start_ray(address: str | None, namespace: str) -> bool:
 @click.option("--step-delay", "step_delay_s", default=0.1, show_default=True, type=float)
 @click.option("--verify-delay", "verify_delay_s", default=0.15, show_default=True, type=float)
 @click.option("--stagger", "stagger_s", default=0.35, show_default=True, type=float)
+@click.option(
+    "--nodes",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 8),
+    help="Local Ray nodes to start (no --address): a head and N-1 workers; the fleet spreads.",
+)
+@click.option(
+    "--kill-node",
+    is_flag=True,
+    help="Lose the node of the environment and agent hosts after the checkpoint (needs --nodes>1).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
 def demo_cli(as_json: bool, namespace: str | None, **kwargs: Any) -> None:
     """Checkpoint a fleet mid-flight, crash it, restore, continue, compare."""
-    import ray
-
     opts = DemoOptions(namespace=namespace or f"ray-ckpt-demo-{uuid.uuid4().hex[:8]}", **kwargs)
+    if opts.kill_node and (opts.nodes < 2 or opts.address is not None):
+        raise click.UsageError("--kill-node needs --nodes 2 or more on the cluster the demo starts")
+    if opts.nodes > 1 and opts.address is not None:
+        raise click.UsageError("--nodes starts a local cluster: not with --address")
     ui = Ui(stderr=True)
-    started = _start_ray(opts.address, opts.namespace)
+    local = start_ray(opts.address, opts.namespace, opts.nodes)
     try:
-        report = asyncio.run(run_demo(opts, ui))
+        report = asyncio.run(run_demo(opts, ui, local))
     finally:
-        if started:
-            ray.shutdown()
+        local.stop()
     sys.exit(finish(report, ui, as_json=as_json))
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from coordination.actor_options import default_state_dir
+from coordination.demo.run import node_of
 from coordination.journal import KV_NAMESPACE, kv_key
 from participants.fleet import KIND_ORDER, launch_fleet
 from ray_ckpt.control.client import data_session
@@ -31,7 +32,6 @@ from tests.multinode.test_node_loss import (
     STEPS,
     N,
     coordinator_on_a_worker,
-    node_of,
     past_seed,
 )
 

@@ -29,6 +29,7 @@ import pytest
 import ray
 
 from coordination.coordinator import Coordinator, coordinator_options
+from coordination.demo.run import node_of
 from coordination.demo.scenario import Rollouts, restore_and_continue
 from coordination.handle import CoordinatorHandle
 from participants.fleet import Fleet, FleetConfig, launch_fleet
@@ -69,15 +70,6 @@ def coordinator_on_a_worker(
     handle = CoordinatorHandle(actor, kit.namespace)
     kit.coordinators.append(handle)
     return handle
-
-
-def _node_of(_self: Any) -> str:
-    return str(ray.get_runtime_context().get_node_id())
-
-
-async def node_of(actor: Any) -> str:
-    """The node an actor runs on (asked of the actor itself)."""
-    return str(await actor.__ray_call__.remote(_node_of))
 
 
 async def spread(kit: E2E, config: FleetConfig, edge: str, core: str, **kw: Any) -> Fleet:
