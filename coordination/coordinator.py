@@ -35,6 +35,7 @@ from coordination.journal import open_journal
 from coordination.membership import KindMismatch
 from coordination.order import Member
 from coordination.periodic import DEFAULT_PREFIX, AssemblerScope, PeriodicRunner
+from coordination.periodic_memory import PeriodicConfig, PeriodicMemory
 from coordination.registration import (
     discover_named,
     http_host,
@@ -101,6 +102,7 @@ class Coordinator:
         # the scope of every checkpoint taken without one.
         self.scope_source: AssemblerScope | None = None
         self.periodic = PeriodicRunner(self._periodic_checkpoint, retain, self.core.clock)
+        self.periodic_memory = PeriodicMemory(state_dir, namespace=namespace, name=_own_name())
         self._recovery: asyncio.Task[str | None] | None = None
         with contextlib.suppress(RuntimeError):  # no loop here: recover on the first call
             self._recovery = asyncio.get_running_loop().create_task(self._recover())
@@ -125,7 +127,24 @@ class Coordinator:
                 # Recovery must still abort what was left open; the mismatch
                 # fails the next discovery (every prepare) by name.
                 log.error("discovery during recovery: %s", exc)
-        return await self.core.recover()
+        aborted = await self.core.recover()
+        await self._restart_periodic()
+        return aborted
+
+    async def _restart_periodic(self) -> None:
+        """The periodic loop a previous incarnation ran, started again."""
+        try:
+            config = await asyncio.to_thread(self.periodic_memory.load)
+            if config is not None:
+                self.periodic.start(
+                    config.root,
+                    every_s=config.every_s,
+                    keep_latest_k=config.keep_latest_k,
+                    prefix=config.prefix,
+                )
+                log.warning("periodic checkpoints under %s started again", config.root)
+        except Exception:
+            log.exception("the periodic loop of a previous coordinator could not be restarted")
 
     # --- membership (coordination.registration) ------------------------------
     async def _register_named(self, member: Member, actor_name: str) -> bool:
@@ -324,12 +343,18 @@ class Coordinator:
     ) -> PeriodicStatus:
         await self._ready()
         await writable(root)
-        return self.periodic.start(
-            root, every_s=every_s, keep_latest_k=keep_latest_k, prefix=prefix
-        )
+        st = self.periodic.start(root, every_s=every_s, keep_latest_k=keep_latest_k, prefix=prefix)
+        config = PeriodicConfig(st.root, st.every_s, st.keep_latest_k, prefix)
+        try:
+            await asyncio.to_thread(self.periodic_memory.save, config)
+        except Exception:
+            log.exception("periodic loop started, but a restarted coordinator will not know it")
+        return st
 
     async def stop_periodic(self) -> PeriodicStatus | None:
-        return await self.periodic.stop()
+        st = await self.periodic.stop()
+        await asyncio.to_thread(self.periodic_memory.clear)
+        return st
 
     async def _periodic_checkpoint(self, root: str, where: str) -> CheckpointResult:
         await writable(root)  # the root: probing `where` would leave a folder if prepare fails

@@ -17,8 +17,9 @@ One loop at a time: starting one while another runs is `CheckpointConflict`,
 unless it is the same loop (same root, period, retention and prefix), which
 makes `start_periodic` idempotent for a trainer that restarts.  `stop` lets a
 checkpoint in flight finish (it is bounded by its own deadlines) and returns
-the final status.  A coordinator that Ray restarts does not resume the loop:
-the caller starts it again.
+the final status.  The coordinator keeps the loop's settings beside its
+journal (`coordination.periodic_memory`), so a coordinator that Ray restarts
+runs the same loop again (counts start over); `stop` forgets them.
 
 The scope of a checkpoint taken without one comes from the registered
 assembler when it names a scope method (`AssemblerScope`): asked after the

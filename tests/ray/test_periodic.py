@@ -3,6 +3,7 @@ the shared Ray cluster, and bad locations refused before anyone is paused."""
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import time
 from collections.abc import Callable
@@ -72,9 +73,11 @@ def prepares(hosts: dict[str, Any]) -> int:
 def wait_for(gym: CoordinatorHandle, done: Callable[[PeriodicStatus], bool]) -> PeriodicStatus:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        st = gym.status().periodic
-        if st is not None and done(st):
-            return st
+        # While Ray restarts the coordinator a call can find it unavailable.
+        with contextlib.suppress(ParticipantUnavailable):
+            st = gym.status().periodic
+            if st is not None and done(st):
+                return st
         time.sleep(0.2)
     raise AssertionError(f"periodic loop never got there: {gym.status().periodic}")
 
@@ -160,3 +163,31 @@ def test_periodic_keeps_the_latest_k_survives_a_failure_and_latest_restores_the_
     assert restored.restored == {k: ["r1-a1"] for k in FLEET}
     assert {r.phase for r in gym.status().participants} == {"idle"}
     assert set(fresh) == set(FLEET)
+
+
+def test_a_restarted_coordinator_runs_the_periodic_loop_again(
+    namespace: str, tmp_path: pathlib.Path
+) -> None:
+    hosts = start_fleet(namespace, live=["r1"])
+    gym = connect(namespace=namespace)  # the default journal: Ray's GCS KV store
+    root = str(tmp_path / "ckpts")
+    first = gym.start_periodic(root, every_s=1.0, keep_latest_k=3)
+    wait_for(gym, lambda st: st.completed >= 1)
+    ray.kill(gym.actor, no_restart=False)  # Ray restarts it; recovery restarts the loop
+    again = wait_for(gym, lambda st: st.started_at > first.started_at and st.completed >= 1)
+    assert (again.root, again.every_s, again.keep_latest_k) == (root, 1.0, 3)
+    stopped = gym.stop_periodic()
+    assert stopped is not None
+    assert not stopped.running
+    # Stopped is stopped: the next incarnation runs no loop.
+    ray.kill(gym.actor, no_restart=False)
+    deadline = time.monotonic() + 30
+    st = None
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ParticipantUnavailable):
+            st = gym.status()
+            break
+        time.sleep(0.1)
+    assert st is not None
+    assert st.periodic is None
+    assert len(hosts) == len(FLEET)

@@ -1,0 +1,77 @@
+"""The periodic loop's settings, kept so a restarted coordinator runs it again.
+
+Ray restarts the coordinator actor by re-running `__init__` (on any node, if
+its node is lost); recovery then reads these settings and starts the same
+loop, so a periodic run survives the coordinator like an open checkpoint
+does.  They live beside the journal: in Ray's GCS KV store by default, or in
+the journal's directory (`state_dir`) as one small object replaced
+atomically.  `stop_periodic` clears them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import msgspec
+
+from coordination.journal import GCS, KV_NAMESPACE
+from ray_ckpt.storage.blobs import BlobMissing
+from ray_ckpt.storage.locations import open_location
+
+log = logging.getLogger(__name__)
+
+MEMORY_NAME = "periodic.json"
+
+
+class PeriodicConfig(msgspec.Struct, frozen=True):
+    root: str
+    every_s: float
+    keep_latest_k: int | None
+    prefix: str
+
+
+class PeriodicMemory:
+    """Where the running loop's settings are kept, so a coordinator that Ray
+    restarts (on any node) starts the same loop again: beside the journal, in
+    Ray's GCS KV store by default or in the journal's directory."""
+
+    def __init__(self, state_dir: str | None, *, namespace: str, name: str) -> None:
+        # Relative like the journal's: to the actor's working directory.
+        self.state_dir = None if state_dir in (None, GCS) else os.path.abspath(state_dir)
+        self.key = f"periodic/{namespace}/{name}".encode()
+
+    def save(self, config: PeriodicConfig) -> None:
+        data = msgspec.json.encode(config)
+        if self.state_dir is None:
+            from ray.experimental import internal_kv
+
+            internal_kv._internal_kv_put(self.key, data, overwrite=True, namespace=KV_NAMESPACE)
+        else:
+            open_location(self.state_dir).replace(MEMORY_NAME, data)
+
+    def load(self) -> PeriodicConfig | None:
+        if self.state_dir is None:
+            from ray.experimental import internal_kv
+
+            data = internal_kv._internal_kv_get(self.key, namespace=KV_NAMESPACE)
+        else:
+            try:
+                data = open_location(self.state_dir).read(MEMORY_NAME)
+            except BlobMissing:
+                data = None
+        if data is None:
+            return None
+        try:
+            return msgspec.json.decode(data, type=PeriodicConfig)
+        except msgspec.DecodeError:
+            log.warning("unreadable periodic settings ignored")
+            return None
+
+    def clear(self) -> None:
+        if self.state_dir is None:
+            from ray.experimental import internal_kv
+
+            internal_kv._internal_kv_del(self.key, namespace=KV_NAMESPACE)
+        else:
+            open_location(self.state_dir).delete([MEMORY_NAME])
