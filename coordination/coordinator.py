@@ -79,6 +79,13 @@ def _own_name() -> str:
     return name or COORDINATOR_NAME
 
 
+def _own_id() -> str:
+    """This actor's ID, the same across its restarts ("" off Ray)."""
+    import ray
+
+    return (ray.get_runtime_context().get_actor_id() or "") if ray.is_initialized() else ""
+
+
 class Coordinator:
     def __init__(
         self,
@@ -135,7 +142,10 @@ class Coordinator:
         """The periodic loop a previous incarnation ran, started again."""
         try:
             config = await asyncio.to_thread(self.periodic_memory.load)
-            if config is not None:
+            if config is not None and config.actor_id != _own_id():
+                log.warning("forgot the periodic loop of another coordinator: %s", config)
+                await asyncio.to_thread(self.periodic_memory.clear)
+            elif config is not None:
                 self.periodic.start(
                     config.root,
                     every_s=config.every_s,
@@ -344,7 +354,7 @@ class Coordinator:
         await self._ready()
         await writable(root)
         st = self.periodic.start(root, every_s=every_s, keep_latest_k=keep_latest_k, prefix=prefix)
-        config = PeriodicConfig(st.root, st.every_s, st.keep_latest_k, prefix)
+        config = PeriodicConfig(st.root, st.every_s, st.keep_latest_k, prefix, _own_id())
         try:
             await asyncio.to_thread(self.periodic_memory.save, config)
         except Exception:

@@ -5,7 +5,9 @@ its node is lost); recovery then reads these settings and starts the same
 loop, so a periodic run survives the coordinator like an open checkpoint
 does.  They live beside the journal: in Ray's GCS KV store by default, or in
 the journal's directory (`state_dir`) as one small object replaced
-atomically.  `stop_periodic` clears them.
+atomically.  `stop_periodic` clears them.  Only the same actor, restarted,
+runs them again (`PeriodicConfig.actor_id`): a coordinator created anew under
+the name forgets them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ class PeriodicConfig(msgspec.Struct, frozen=True):
     every_s: float
     keep_latest_k: int | None
     prefix: str
+    # The actor that ran it: Ray keeps an actor's ID across its restarts, so a
+    # new coordinator of a later job (same name, new ID) never inherits the
+    # loop of one that died with its driver.
+    actor_id: str = ""
 
 
 class PeriodicMemory:

@@ -190,4 +190,17 @@ def test_a_restarted_coordinator_runs_the_periodic_loop_again(
         time.sleep(0.1)
     assert st is not None
     assert st.periodic is None
+    # A coordinator that dies for good (as with its driver) leaves its loop to
+    # nobody: a new one under the same name does not inherit it.
+    gym.start_periodic(root, every_s=1.0)
+    ray.kill(gym.actor, no_restart=True)
+    fresh = connect(namespace=namespace)
+    assert fresh.status().periodic is None
+    ray.kill(fresh.actor, no_restart=False)
+    wait_restarted = time.monotonic() + 30
+    while time.monotonic() < wait_restarted:
+        with contextlib.suppress(ParticipantUnavailable):
+            assert fresh.status().periodic is None, "its memory was forgotten"
+            break
+        time.sleep(0.1)
     assert len(hosts) == len(FLEET)
