@@ -6,7 +6,15 @@ from coordination import connect
 gym = connect(namespace="rl-run-7")              # ray.init(address="auto") if needed
 result = gym.checkpoint("/ckpt/step-100", scope=continued)
 gym.restore("/ckpt/step-100", episode_ids=continued)
+
+gym.register_assembler(collector, scope_method="in_flight_episodes")
+gym.start_periodic("s3://bucket/run-7", every_s=600, keep_latest_k=3)
+gym.restore("s3://bucket/run-7", "latest")       # after a crash, on a fresh fleet
 ```
+
+Locations are absolute paths or URIs (`file://`, `s3://`, `gs://`); one that
+is relative, of an unknown scheme or unreachable is refused (`InvalidRequest`
+naming it) before anyone is paused.
 
 Every method has an async twin (`acheckpoint`, `arestore`, ...).  Errors are
 the typed `ray_ckpt.errors` ones (e.g. `CoordinationFailed` with `failures`),
