@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from coordination.manifests import write_gym_manifest_from_replies
-from ray_ckpt.errors import CheckpointError, InvalidRequest
+from ray_ckpt.errors import CheckpointError, InvalidCheckpointState, InvalidRequest
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage.catalog import CheckpointEntry, latest_location, scan, scan_one
 from ray_ckpt.storage.locations import check_location, open_location
@@ -101,6 +101,11 @@ def _restore_target(
         where, picked = location, scan_one(open_location(parent), name)
     if episode_ids is not None:
         return where, list(episode_ids)
+    if not picked.entry.complete:
+        raise InvalidCheckpointState(
+            f"checkpoint {where} is not complete ({picked.problem}): name the episodes "
+            "to restore it without a Gym manifest"
+        )
     if picked.episode_keys is None:
         raise InvalidRequest(
             f"the participant manifests of {where} do not list their episodes: name them"

@@ -83,6 +83,9 @@ async def test_a_plain_restore_without_episodes_takes_the_checkpoints_own(
 async def test_what_a_restore_cannot_use_is_refused_naming_it(tmp_path: pathlib.Path) -> None:
     with pytest.raises(InvalidCheckpointState, match="no complete checkpoint"):
         await roots.restore_target(str(tmp_path), None, latest=True)
+    torn = commit(tmp_path, "torn", T0, gym_manifest=False)
+    with pytest.raises(InvalidCheckpointState, match=r"not complete.*no Gym manifest"):
+        await roots.restore_target(str(torn), None, latest=False)
     (tmp_path / "file").write_text("x")
     for where in ("relative/x", "s4://b/x", f"{tmp_path}/file/x", f"{tmp_path}/none/x"):
         for latest in (True, False):
