@@ -22,6 +22,7 @@ files (incremental records) only has to extend that one function.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
 import os
@@ -39,6 +40,7 @@ from ray_ckpt.storage.pointer import LatestPointer, join_location, read_latest
 log = logging.getLogger(__name__)
 
 GYM = "gym"
+_READERS = 16
 
 
 class CheckpointEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -120,7 +122,11 @@ def scan(blobs: Blobs) -> Catalog:
             by_name.setdefault(name, []).append(info)
         else:
             outside.append(info)
-    found = {name: _scan_one(blobs, name, keys) for name, keys in by_name.items()}
+    # Each checkpoint costs a few small reads: on an object store those are
+    # round trips, so checkpoints are read side by side, not one by one.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=_READERS) as pool:
+        scanned = pool.map(lambda item: _scan_one(blobs, *item), by_name.items())
+        found = {s.entry.name: s for s in scanned}
     # A key inside another checkpoint that one needs makes it "referenced by" that one.
     referenced: dict[str, set[str]] = {n: set() for n in found}
     for name, s in found.items():
