@@ -1,4 +1,5 @@
-"""The storage benchmark's promised `--json` line (issue: benchmarks/storage.py), at toy size."""
+"""The storage benchmark (issue: benchmarks/storage.py): its promised `--json` figures
+at toy size on disk and on a local S3 endpoint, and its refusal of beaten floors."""
 
 from __future__ import annotations
 
@@ -6,14 +7,19 @@ import json
 import pathlib
 import subprocess
 import sys
+from typing import Any
 
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "storage.py"
+import pytest
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
+BENCH = BENCHMARKS / "storage.py"
 PROMISED = (
     "sessions",
     "kb",
     "commit_s",
     "restore_s",
     "raw_write_s",
+    "raw_read_s",
     "raw_read_decode_s",
     "commit_ratio",
     "restore_ratio",
@@ -24,23 +30,107 @@ PROMISED = (
     "commit_rss_mb",
     "restore_rss_mb",
 )
+S3_ONLY = ("s3_commit_s", "s3_restore_s", "s3_commit_ratio")
 
 
-def test_json_line_carries_every_promised_figure_for_both_mixes() -> None:
+def _run(*extra: str) -> dict[str, Any]:
+    # --allow-beaten-floor: at toy size a raw write of a few KB is all noise.
     run = subprocess.run(
-        [sys.executable, str(BENCH), "--sessions", "3", "--kb", "2", "--json"],
+        [
+            sys.executable,
+            str(BENCH),
+            "--sessions",
+            "3",
+            "--kb",
+            "2",
+            "--json",
+            "--allow-beaten-floor",
+            *extra,
+        ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=60,
         check=True,
     )
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    out: dict[str, Any] = json.loads(run.stdout.strip().splitlines()[-1])
+    return out
+
+
+def _check_figures(out: dict[str, Any], keys: tuple[str, ...]) -> None:
     assert (out["sessions"], out["kb"]) == (3, 2)
-    for key in PROMISED:
+    for key in keys:
         assert isinstance(out[key], int | float), key
         assert out[key] >= 0, key
     # Text-heavy and number-heavy states are reported separately.
     assert set(out["mixes"]) == {"text", "numbers"}
     for mix in out["mixes"].values():
-        for key in PROMISED[2:]:
-            assert isinstance(mix[key], int | float), key
+        for key in keys[2:]:
+            if not key.startswith("s3_"):
+                assert isinstance(mix[key], int | float), key
+    # Every beaten floor is named, and every goal says what it measured.
+    assert isinstance(out["warnings"], list)
+    invalid = {w["figure"] for w in out["warnings"]}
+    for name, goal in out["goals"].items():
+        assert goal["valid"] == (name not in invalid)
+        assert goal["met"] == (goal["valid"] and goal["value"] <= goal["goal"])
+
+
+def test_on_disk_every_promised_figure_and_no_s3_figures(tmp_path: pathlib.Path) -> None:
+    out = _run("--location", str(tmp_path))
+    _check_figures(out, PROMISED)
+    assert not any(k in out for k in S3_ONLY)
+    assert "mixes.text.commit_ratio" in out["goals"]
+    assert list(tmp_path.iterdir()) == []  # its folder in the location is removed
+
+
+def test_on_local_s3_adds_the_s3_figures() -> None:
+    out = _run("--local-s3")
+    _check_figures(out, PROMISED + S3_ONLY)
+    assert out["s3_commit_ratio"] == pytest.approx(out["s3_commit_s"] / out["raw_write_s"], 0.01)
+    assert out["goals"]["s3_commit_ratio"]["goal"] == 1.5
+
+
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import storage  # type: ignore[import-not-found]
+
+    return storage
+
+
+def _result(commit_s: float, raw_write_s: float) -> dict[str, Any]:
+    mix = {
+        "commit_s": commit_s,
+        "raw_write_s": raw_write_s,
+        "restore_s": 2.0,
+        "raw_read_decode_s": 1.0,
+        "commit_ratio": commit_s / raw_write_s,
+        "restore_ratio": 2.0,
+    }
+    return {**mix, "mixes": {"text": dict(mix), "numbers": dict(mix)}}
+
+
+def test_a_beaten_floor_is_named_and_never_passes_a_goal(bench: Any) -> None:
+    from storage_report import beaten_floors, goals  # type: ignore[import-not-found]
+
+    out = _result(commit_s=0.5, raw_write_s=1.0)
+    warned = {w["figure"] for w in beaten_floors(out)}
+    assert warned == {"commit_ratio", "mixes.text.commit_ratio", "mixes.numbers.commit_ratio"}
+    verdict = goals(out, warned)["mixes.text.commit_ratio"]
+    assert (verdict["valid"], verdict["met"]) == (False, False)  # 0.5 <= 1.5, but not a ratio
+    assert beaten_floors(_result(commit_s=1.2, raw_write_s=1.0)) == []
+
+
+def test_a_beaten_floor_exits_nonzero_unless_allowed(
+    bench: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from storage_report import beaten_floors  # type: ignore[import-not-found]
+
+    out = _result(commit_s=0.5, raw_write_s=1.0)
+    out.update(sessions=1, kb=1, warnings=beaten_floors(out), goals={})
+    monkeypatch.setattr(bench, "measure", lambda args, location: out)
+    assert bench.main(["--json"]) == bench.BEATEN_FLOOR_EXIT
+    assert "beaten floor: commit_ratio" in capsys.readouterr().err
+    assert bench.main(["--json", "--allow-beaten-floor"]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {w["figure"] for w in last["warnings"]} >= {"commit_ratio"}

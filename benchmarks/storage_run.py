@@ -1,0 +1,141 @@
+"""One mix of the storage benchmark: interleaved repetitions in one location, medians.
+
+Each repetition writes (commit, peer, raw, and the incremental commit) and
+then reads (restore, peer, raw, the chain restore) in an order that rotates
+per repetition, so a slow moment of a shared machine falls on a different
+figure each time; the medians are reported.  The chain and the incremental's
+full base are written once per mix, before the repetitions, untimed.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from storage_baselines import (
+    DiskRaw,
+    RawStore,
+    StoreRaw,
+    digest_of,
+    encode_chunks,
+    peer_commit,
+    peer_restore,
+    raw_read,
+    raw_read_decode,
+)
+from storage_data import PeakRss
+
+from ray_ckpt.storage import Blobs, LocalBlobs, open_location, read_participant, write_participant
+from ray_ckpt.storage.record import Record, check_json
+
+
+class Location:
+    """A fresh folder of the benchmark's location (a directory or a store prefix)."""
+
+    def __init__(self, location: str) -> None:
+        self.url = f"{location.rstrip('/')}/ray-ckpt-bench-{uuid.uuid4().hex[:12]}"
+        self.blobs = open_location(self.url)
+        self.on_disk = isinstance(self.blobs, LocalBlobs)
+        self.raw: RawStore = DiskRaw(pathlib.Path(self.url)) if self.on_disk else StoreRaw(self.url)
+
+    def at(self, sub: str) -> Blobs:
+        return open_location(f"{self.url}/{sub}")
+
+    def remove(self, sub: str = "") -> None:
+        if self.on_disk:
+            shutil.rmtree(pathlib.Path(self.url, sub), ignore_errors=True)
+            return
+        keys = [info.key for info in self.blobs.list(sub)]
+        self.blobs.delete(keys)
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+Add = Callable[[str, float], None]
+
+
+def _commit(where: Blobs, cid: str, records: list[Record]) -> Any:
+    return write_participant(where, kind="bench", instance="p0", checkpoint_id=cid, records=records)
+
+
+def _restore(where: Blobs) -> list[Record]:
+    _, restored = read_participant(where, kind="bench", instance="p0", checkpoint_id=None)
+    return restored
+
+
+def _one_rep(rep: int, loc: Location, records: list[Record], chunks: list[bytes], add: Add) -> None:
+    base = f"rep{rep}"
+    ours = loc.at(f"{base}/ours")
+    nbytes = sum(len(c) for c in chunks)
+    digest = digest_of(chunks)
+
+    def commit() -> None:
+        with PeakRss() as mem:
+            t, m = _timed(lambda: _commit(ours, f"c{rep}", records))
+        if (m.bytes, m.digest) != (nbytes, digest):
+            # The raw baselines must write exactly our bytes, or they bound nothing.
+            raise RuntimeError("the raw baseline's bytes are not our records file's")
+        add("commit_s", t)
+        add("commit_rss_mb", mem.growth_mb)
+
+    def peer() -> None:
+        add("peer_commit_s", _timed(lambda: peer_commit(loc.blobs, f"{base}/peer", records))[0])
+
+    def raw() -> None:
+        add("raw_write_s", _timed(lambda: loc.raw.write(f"{base}/raw", chunks))[0])
+
+    def restore() -> None:
+        with PeakRss() as mem:
+            t, restored = _timed(lambda: _restore(ours))
+        if len(restored) != len(records):
+            raise RuntimeError(f"restored {len(restored)} of {len(records)} records")
+        del restored
+        add("restore_s", t)
+        add("restore_rss_mb", mem.growth_mb)
+
+    def peer_read() -> None:
+        with PeakRss() as mem:
+            t, _ = _timed(lambda: peer_restore(loc.blobs, f"{base}/peer"))
+        add("peer_restore_s", t)
+        add("peer_restore_rss_mb", mem.growth_mb)
+
+    def raw_reads() -> None:
+        add("raw_read_s", _timed(lambda: raw_read(loc.raw, f"{base}/raw"))[0])
+        add("raw_read_decode_s", _timed(lambda: raw_read_decode(loc.raw, f"{base}/raw"))[0])
+
+    writes: list[Callable[[], None]] = [commit, peer, raw]
+    reads: list[Callable[[], None]] = [restore, peer_read, raw_reads]
+    for group in (writes, reads):
+        k = rep % len(group)
+        for step in group[k:] + group[:k]:
+            step()
+    add("records_mb", nbytes / 1e6)
+    add("peer_mb", loc.blobs.info(f"{base}/peer").size / 1e6)
+
+
+def run_mix(
+    mix: str, records: list[Record], reps: int, loc: Location, fraction: float
+) -> dict[str, float]:
+    samples: dict[str, list[float]] = {}
+
+    def add(name: str, value: float) -> None:
+        samples.setdefault(name, []).append(value)
+
+    add("check_s", _timed(lambda: [check_json(r.state, episode=r.key) for r in records])[0])
+    chunks = encode_chunks(records)
+    for rep in range(reps):
+        _one_rep(rep, loc, records, chunks, add)
+        loc.remove(f"rep{rep}")
+        cur = {k: round(v[-1], 3) for k, v in samples.items() if k != "check_s"}
+        print(f"[{mix} {rep + 1}/{reps}] {cur}", file=sys.stderr, flush=True)
+    return {k: float(statistics.median(v)) for k, v in samples.items()}
