@@ -1,0 +1,190 @@
+"""Signal checkpointing's plumbing with real signals to this process (and to a
+child process for the exit), against a stand-in for the coordinator's
+`acheckpoint` (the Ray-backed run is tests/e2e/test_signals.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordination.signals import SignalCheckpoint, SignalCheckpointing, cut_budget
+from ray_ckpt.errors import DeadlineExceeded, InvalidRequest
+
+
+class Result:
+    def __init__(self, where: str) -> None:
+        self.checkpoint_id = "ckpt-" + where.rsplit("/", 1)[-1]
+        self.continued = ["r0"]
+        self.restart: list[str] = []
+
+
+class StandIn:
+    """Records each checkpoint call; `gate` holds it until set."""
+
+    def __init__(self, hold_s: float = 0.0) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.gate = asyncio.Event()
+        self.hold_s = hold_s
+        if not hold_s:
+            self.gate.set()
+
+    async def acheckpoint(self, where: str, scope: Any, **kw: Any) -> Result:
+        self.calls.append({"where": where, "scope": scope, **kw})
+        if self.hold_s:
+            await asyncio.sleep(self.hold_s)
+        await self.gate.wait()
+        return Result(where)
+
+
+async def until(pred: Any, timeout_s: float = 5.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not pred():
+            await asyncio.sleep(0.01)
+
+
+def test_budget_fits_the_grace_left() -> None:
+    b = cut_budget(10.0, 3.0)
+    assert b.wait_s == pytest.approx(7.0)
+    assert b.prepare_s + b.commit_s == pytest.approx(7.0 - 1.0)  # 10% kept back
+    assert 0 < b.prepare_s < b.commit_s
+    assert cut_budget(100.0, 0.0).prepare_s + cut_budget(100.0, 0.0).commit_s == 98.0
+    with pytest.raises(DeadlineExceeded):
+        cut_budget(1.0, 0.95)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"signals": [signal.SIGKILL]}, {"signals": []}, {"grace_s": 0}, {"grace_s": float("nan")}],
+)
+def test_bad_settings_are_invalid_requests(kw: dict[str, Any]) -> None:
+    with pytest.raises(InvalidRequest):
+        SignalCheckpointing(StandIn(), "/tmp/root", **kw)
+
+
+async def test_sigusr1_checkpoints_continues_and_restores_the_handler() -> None:
+    before = signal.getsignal(signal.SIGUSR1)
+    coord = StandIn()
+    sc = SignalCheckpointing(coord, "/ckpt/root", scope=lambda: ["r0", "r1"], grace_s=10).install()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    await until(lambda: sc.outcomes)
+    (call,) = coord.calls
+    assert call["resume"] is True and call["stop"] is False
+    assert call["where"].startswith("/ckpt/root/ckpt-") and call["where"].endswith("-sigusr1")
+    assert [e.rollout_id for e in call["scope"]] == ["r0", "r1"]
+    assert call["prepare_s"] + call["commit_s"] <= 10 - 1.0 + 1e-9
+    out = sc.outcomes[0]
+    assert out.ok and out.trigger == "SIGUSR1" and not out.stop and out.error is None
+    assert signal.getsignal(signal.SIGUSR1) is not before  # ours while installed
+    sc.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) is before
+
+
+async def test_a_signal_during_a_checkpoint_joins_it() -> None:
+    coord = StandIn(hold_s=0.01)
+    coord.gate.clear()
+    stops: list[SignalCheckpoint] = []
+    sc = SignalCheckpointing(coord, "/r", grace_s=10, on_stop=stops.append).install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        await until(lambda: coord.calls)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)  # joins: exit after it
+        await asyncio.sleep(0.1)
+        coord.gate.set()
+        await until(lambda: stops)
+    finally:
+        sc.uninstall()
+    assert len(coord.calls) == 1
+    assert stops[0].joined == ["SIGUSR1", "SIGTERM"] and stops[0].trigger == "SIGUSR1"
+
+
+async def test_sigterm_stops_and_a_second_one_is_ignored() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    coord = StandIn()
+    coord.gate.clear()
+    stops: list[SignalCheckpoint] = []
+    sc = SignalCheckpointing(coord, "/r", grace_s=10, on_stop=stops.append).install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        await until(lambda: coord.calls)
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.sleep(0.1)
+        assert not stops
+        coord.gate.set()
+        await until(lambda: stops)
+    finally:
+        sc.uninstall()
+    (call,) = coord.calls
+    assert call["stop"] is True and call["resume"] is False and call["scope"] is None
+    assert stops[0].ok and stops[0].stop and stops[0].joined == []
+    assert signal.getsignal(signal.SIGTERM) is before  # put back before on_stop
+
+
+async def test_a_budget_too_short_fails_the_checkpoint_in_time() -> None:
+    coord = StandIn(hold_s=5.0)
+    stops: list[SignalCheckpoint] = []
+    sc = SignalCheckpointing(coord, "/r", grace_s=0.3, on_stop=stops.append).install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        await until(lambda: stops, timeout_s=2.0)
+    finally:
+        sc.uninstall()
+    out = stops[0]
+    assert not out.ok and out.checkpoint_id is None
+    assert out.error is not None and out.error["code"] == "deadline_exceeded"
+    assert out.seconds < 1.0
+
+
+DRIVER = """
+import asyncio, os, signal, sys, time
+from coordination.signals import SignalCheckpointing
+
+class Coord:
+    async def acheckpoint(self, where, scope, **kw):
+        await asyncio.sleep(0.2)
+        open(sys.argv[2], "w").write(f"{where} stop={kw['stop']} resume={kw['resume']}")
+        class R: checkpoint_id = "c1"; continued = []; restart = []
+        return R()
+
+def ready():
+    print("ready", flush=True)
+
+if sys.argv[1] == "loop":
+    async def main():
+        SignalCheckpointing(Coord(), "/r", grace_s=5).install()
+        ready()
+        await asyncio.sleep(30)
+    asyncio.run(main())
+else:  # a synchronous training loop
+    SignalCheckpointing(Coord(), "/r", grace_s=5).install()
+    ready()
+    time.sleep(30)
+print("not stopped", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["loop", "thread"])
+def test_sigterm_checkpoints_then_the_process_dies_of_it(tmp_path: Path, mode: str) -> None:
+    script, marker = tmp_path / "driver.py", tmp_path / "done"
+    script.write_text(textwrap.dedent(DRIVER))
+    proc = subprocess.Popen(
+        [sys.executable, str(script), mode, str(marker)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parents[2],
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == -signal.SIGTERM  # the default action, after the checkpoint
+    assert "not stopped" not in out
+    assert marker.read_text().endswith("-sigterm stop=True resume=False")
