@@ -11,7 +11,7 @@ registered (actor handle or URL + token) or discovered by name:
 
 Every location a call names is checked before anyone is paused
 (`coordination.roots`); the periodic checkpoint loop runs here too
-(`coordination.periodic`).
+(`coordination.periodic_control`).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from coordination.hosts import Host, RayPauseTarget
 from coordination.journal import open_journal
 from coordination.membership import KindMismatch
 from coordination.order import Member
-from coordination.periodic import DEFAULT_PREFIX, AssemblerScope, PeriodicRunner
-from coordination.periodic_memory import PeriodicConfig, PeriodicMemory
+from coordination.periodic import DEFAULT_PREFIX, AssemblerScope
+from coordination.periodic_control import PeriodicControl, PeriodicMemory
 from coordination.registration import (
     discover_named,
     http_host,
@@ -55,7 +55,7 @@ from coordination.results import (
     RetireResult,
     Timeouts,
 )
-from coordination.roots import restore_target, retain, writable
+from coordination.roots import restore_target, writable
 from ray_ckpt.errors import InvalidRequest
 from ray_ckpt.identity import EpisodeId
 
@@ -108,8 +108,10 @@ class Coordinator:
         # The registered assembler's in-flight episodes (if it names a method):
         # the scope of every checkpoint taken without one.
         self.scope_source: AssemblerScope | None = None
-        self.periodic = PeriodicRunner(self._periodic_checkpoint, retain, self.core.clock)
-        self.periodic_memory = PeriodicMemory(state_dir, namespace=namespace, name=_own_name())
+        memory = PeriodicMemory(state_dir, namespace=namespace, name=_own_name())
+        self.periodic = PeriodicControl(
+            self._periodic_checkpoint, self.core.clock, memory, actor_id=_own_id()
+        )
         self._recovery: asyncio.Task[str | None] | None = None
         with contextlib.suppress(RuntimeError):  # no loop here: recover on the first call
             self._recovery = asyncio.get_running_loop().create_task(self._recover())
@@ -135,26 +137,8 @@ class Coordinator:
                 # fails the next discovery (every prepare) by name.
                 log.error("discovery during recovery: %s", exc)
         aborted = await self.core.recover()
-        await self._restart_periodic()
+        await self.periodic.restart()
         return aborted
-
-    async def _restart_periodic(self) -> None:
-        """The periodic loop a previous incarnation ran, started again."""
-        try:
-            config = await asyncio.to_thread(self.periodic_memory.load)
-            if config is not None and config.actor_id != _own_id():
-                log.warning("forgot the periodic loop of another coordinator: %s", config)
-                await asyncio.to_thread(self.periodic_memory.clear)
-            elif config is not None:
-                self.periodic.start(
-                    config.root,
-                    every_s=config.every_s,
-                    keep_latest_k=config.keep_latest_k,
-                    prefix=config.prefix,
-                )
-                log.warning("periodic checkpoints under %s started again", config.root)
-        except Exception:
-            log.exception("the periodic loop of a previous coordinator could not be restarted")
 
     # --- membership (coordination.registration) ------------------------------
     async def _register_named(self, member: Member, actor_name: str) -> bool:
@@ -343,7 +327,7 @@ class Coordinator:
         st = await self.core.status()
         return msgspec.structs.replace(st, periodic=self.periodic.status())
 
-    # --- periodic checkpoints (coordination.periodic) -------------------------
+    # --- periodic checkpoints (coordination.periodic_control) -----------------
     async def start_periodic(
         self,
         root: str,
@@ -352,19 +336,12 @@ class Coordinator:
         prefix: str = DEFAULT_PREFIX,
     ) -> PeriodicStatus:
         await self._ready()
-        await writable(root)
-        st = self.periodic.start(root, every_s=every_s, keep_latest_k=keep_latest_k, prefix=prefix)
-        config = PeriodicConfig(st.root, st.every_s, st.keep_latest_k, prefix, _own_id())
-        try:
-            await asyncio.to_thread(self.periodic_memory.save, config)
-        except Exception:
-            log.exception("periodic loop started, but a restarted coordinator will not know it")
-        return st
+        return await self.periodic.start(
+            root, every_s=every_s, keep_latest_k=keep_latest_k, prefix=prefix
+        )
 
     async def stop_periodic(self) -> PeriodicStatus | None:
-        st = await self.periodic.stop()
-        await asyncio.to_thread(self.periodic_memory.clear)
-        return st
+        return await self.periodic.stop()
 
     async def _periodic_checkpoint(self, root: str, where: str) -> CheckpointResult:
         await writable(root)  # the root: probing `where` would leave a folder if prepare fails

@@ -18,7 +18,7 @@ unless it is the same loop (same root, period, retention and prefix), which
 makes `start_periodic` idempotent for a trainer that restarts.  `stop` lets a
 checkpoint in flight finish (it is bounded by its own deadlines) and returns
 the final status.  The coordinator keeps the loop's settings beside its
-journal (`coordination.periodic_memory`), so a coordinator that Ray restarts
+journal (`coordination.periodic_control`), so a coordinator that Ray restarts
 runs the same loop again (counts start over); `stop` forgets them.
 
 The scope of a checkpoint taken without one comes from the registered

@@ -1,4 +1,8 @@
-"""The periodic loop's settings, kept so a restarted coordinator runs it again.
+"""The coordinator's periodic loop: start, stop, and run again after a restart.
+
+`PeriodicControl` is what the `Coordinator` actor holds: the `PeriodicRunner`
+(`coordination.periodic`), the root's up-front check, and the loop's settings
+kept so a restarted coordinator runs it again.
 
 Ray restarts the coordinator actor by re-running `__init__` (on any node, if
 its node is lost); recovery then reads these settings and starts the same
@@ -12,12 +16,17 @@ the name forgets them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 
 import msgspec
 
 from coordination.journal import GCS, KV_NAMESPACE
+from coordination.periodic import DEFAULT_PREFIX, Checkpoint, PeriodicRunner
+from coordination.results import PeriodicStatus
+from coordination.roots import retain, writable
+from ray_ckpt.clock import Clock
 from ray_ckpt.storage.blobs import BlobMissing
 from ray_ckpt.storage.locations import open_location
 
@@ -81,3 +90,60 @@ class PeriodicMemory:
             internal_kv._internal_kv_del(self.key, namespace=KV_NAMESPACE)
         else:
             open_location(self.state_dir).delete([MEMORY_NAME])
+
+
+class PeriodicControl:
+    def __init__(
+        self, checkpoint: Checkpoint, clock: Clock, memory: PeriodicMemory, actor_id: str
+    ) -> None:
+        self.runner = PeriodicRunner(checkpoint, retain, clock)
+        self.memory = memory
+        # Ray keeps an actor's ID across its restarts: whose settings are whose.
+        self.actor_id = actor_id
+
+    def status(self) -> PeriodicStatus | None:
+        return self.runner.status()
+
+    async def start(
+        self,
+        root: str,
+        *,
+        every_s: float,
+        keep_latest_k: int | None = None,
+        prefix: str = DEFAULT_PREFIX,
+    ) -> PeriodicStatus:
+        """Check the root can be written, start the loop, remember it."""
+        await writable(root)
+        st = self.runner.start(root, every_s=every_s, keep_latest_k=keep_latest_k, prefix=prefix)
+        config = PeriodicConfig(st.root, st.every_s, st.keep_latest_k, prefix, self.actor_id)
+        try:
+            await asyncio.to_thread(self.memory.save, config)
+        except Exception:
+            log.exception("periodic loop started, but a restarted coordinator will not know it")
+        return st
+
+    async def stop(self) -> PeriodicStatus | None:
+        st = await self.runner.stop()
+        await asyncio.to_thread(self.memory.clear)
+        return st
+
+    async def restart(self) -> None:
+        """At recovery: the loop this actor ran before Ray restarted it, again;
+        another actor's settings (a coordinator that died for good) forgotten."""
+        try:
+            config = await asyncio.to_thread(self.memory.load)
+            if config is None:
+                return
+            if config.actor_id != self.actor_id:
+                log.warning("forgot the periodic loop of another coordinator: %s", config)
+                await asyncio.to_thread(self.memory.clear)
+                return
+            self.runner.start(
+                config.root,
+                every_s=config.every_s,
+                keep_latest_k=config.keep_latest_k,
+                prefix=config.prefix,
+            )
+            log.warning("periodic checkpoints under %s started again", config.root)
+        except Exception:
+            log.exception("the periodic loop of a previous coordinator could not be restarted")
