@@ -46,7 +46,7 @@ class StandIn:
 
 async def until(pred: Any, timeout_s: float = 5.0) -> None:
     async with asyncio.timeout(timeout_s):
-        while not pred():
+        while not pred():  # noqa: ASYNC110 - polls state set by signal callbacks
             await asyncio.sleep(0.01)
 
 
@@ -76,12 +76,17 @@ async def test_sigusr1_checkpoints_continues_and_restores_the_handler() -> None:
     os.kill(os.getpid(), signal.SIGUSR1)
     await until(lambda: sc.outcomes)
     (call,) = coord.calls
-    assert call["resume"] is True and call["stop"] is False
-    assert call["where"].startswith("/ckpt/root/ckpt-") and call["where"].endswith("-sigusr1")
+    assert call["resume"] is True
+    assert call["stop"] is False
+    assert call["where"].startswith("/ckpt/root/ckpt-")
+    assert call["where"].endswith("-sigusr1")
     assert [e.rollout_id for e in call["scope"]] == ["r0", "r1"]
     assert call["prepare_s"] + call["commit_s"] <= 10 - 1.0 + 1e-9
     out = sc.outcomes[0]
-    assert out.ok and out.trigger == "SIGUSR1" and not out.stop and out.error is None
+    assert out.ok
+    assert out.trigger == "SIGUSR1"
+    assert not out.stop
+    assert out.error is None
     assert signal.getsignal(signal.SIGUSR1) is not before  # ours while installed
     sc.uninstall()
     assert signal.getsignal(signal.SIGUSR1) is before
@@ -103,7 +108,8 @@ async def test_a_signal_during_a_checkpoint_joins_it() -> None:
     finally:
         sc.uninstall()
     assert len(coord.calls) == 1
-    assert stops[0].joined == ["SIGUSR1", "SIGTERM"] and stops[0].trigger == "SIGUSR1"
+    assert stops[0].joined == ["SIGUSR1", "SIGTERM"]
+    assert stops[0].trigger == "SIGUSR1"
 
 
 async def test_sigterm_stops_and_a_second_one_is_ignored() -> None:
@@ -123,8 +129,12 @@ async def test_sigterm_stops_and_a_second_one_is_ignored() -> None:
     finally:
         sc.uninstall()
     (call,) = coord.calls
-    assert call["stop"] is True and call["resume"] is False and call["scope"] is None
-    assert stops[0].ok and stops[0].stop and stops[0].joined == []
+    assert call["stop"] is True
+    assert call["resume"] is False
+    assert call["scope"] is None
+    assert stops[0].ok
+    assert stops[0].stop
+    assert stops[0].joined == []
     assert signal.getsignal(signal.SIGTERM) is before  # put back before on_stop
 
 
@@ -138,8 +148,10 @@ async def test_a_budget_too_short_fails_the_checkpoint_in_time() -> None:
     finally:
         sc.uninstall()
     out = stops[0]
-    assert not out.ok and out.checkpoint_id is None
-    assert out.error is not None and out.error["code"] == "deadline_exceeded"
+    assert not out.ok
+    assert out.checkpoint_id is None
+    assert out.error is not None
+    assert out.error["code"] == "deadline_exceeded"
     assert out.seconds < 1.0
 
 
