@@ -66,6 +66,12 @@ class Blobs(Protocol):
         """The object in chunks, for a streaming verify; `BlobMissing` if absent."""
         ...
 
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        """`length` bytes from `start` (fewer if the object ends first), one
+        ranged read: an incremental restore fetches only the frames it
+        references; `BlobMissing` if absent."""
+        ...
+
     def create(self, key: str, data: bytes) -> bytes | None:
         """Publish `data` at `key` unless taken: None if this call published,
         else the bytes already there (the caller decides if they are equal)."""

@@ -84,6 +84,17 @@ class LocalBlobs:
                 raise BlobMissing(f"{self._where(key)} is missing") from None
         return self._chunks(fd)
 
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        with self._errors("read"):
+            try:
+                fd = os.open(self.path(key), os.O_RDONLY)
+            except FileNotFoundError:
+                raise BlobMissing(f"{self._where(key)} is missing") from None
+            try:
+                return os.pread(fd, length, start)
+            finally:
+                os.close(fd)
+
     def _chunks(self, fd: int) -> Iterator[bytes]:
         try:
             with self._errors("read"):

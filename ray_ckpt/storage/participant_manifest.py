@@ -35,8 +35,46 @@ RECORDS_RE = re.compile(r"records-([0-9a-f]{32}|[0-9a-f]{64})\.msgpack")
 Where = str | os.PathLike[str] | Blobs
 
 
-class ParticipantManifest(msgspec.Struct, frozen=True):
-    """What a committed participant checkpoint holds; written last."""
+class Frame(msgspec.Struct, frozen=True, array_like=True):
+    """Where one record sits in this manifest's own records file.
+
+    `digest` is the sha256 of the frame's bytes (header, key and state), so
+    a later checkpoint can reference the frame and a restore verify exactly
+    the bytes it fetches with one ranged read.  `version` is the exporter's
+    version of the state (`Record.version`), None if it gave none."""
+
+    key: str
+    offset: int
+    length: int
+    digest: str
+    version: str | None = None
+
+
+class FrameRef(msgspec.Struct, frozen=True, array_like=True):
+    """A record left unchanged, held by an earlier checkpoint's records file.
+
+    Always the file that holds the bytes (`checkpoint` is a sibling name
+    under the same root, the folder is this participant's own), never another
+    manifest: a restore reads it directly and never walks a chain."""
+
+    checkpoint: str
+    records_file: str
+    file_digest: str
+    file_bytes: int
+    key: str
+    offset: int
+    length: int
+    digest: str
+    version: str | None = None
+
+
+class ParticipantManifest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What a committed participant checkpoint holds; written last.
+
+    `episodes` and `record_count` cover every record, own and referenced;
+    `digest`, `bytes` and `frames` describe the own records file only.  The
+    last three fields are absent from older manifests (no frame index: such
+    a checkpoint is never referenced, the next one is written in full)."""
 
     schema_version: int
     checkpoint_id: str
@@ -49,6 +87,9 @@ class ParticipantManifest(msgspec.Struct, frozen=True):
     episodes: list[str]  # capture keys, sorted
     bytes: int
     format: str
+    frames: list[Frame] = []
+    refs: list[FrameRef] = []
+    chain_depth: int = 0  # checkpoints since the last full rewrite (0: this is one)
 
 
 class _Versioned(msgspec.Struct):
@@ -100,6 +141,18 @@ def decode_manifest(data: bytes, where: str) -> ParticipantManifest:
         raise InvalidCheckpointState(f"unknown digest {manifest.digest_algo!r} in {where}")
     if not RECORDS_RE.fullmatch(manifest.records_file):
         raise InvalidCheckpointState(f"bad records file name {manifest.records_file!r} in {where}")
+    for ref in manifest.refs:
+        # A reference names a sibling checkpoint and a plain records name: it
+        # can never point outside the root or into another participant.
+        if not _NAME_RE.fullmatch(ref.checkpoint) or not RECORDS_RE.fullmatch(ref.records_file):
+            raise InvalidCheckpointState(
+                f"bad reference {ref.checkpoint}/{ref.records_file} in {where}"
+            )
+        if (
+            min(ref.offset, ref.length, ref.file_bytes) < 0
+            or ref.offset + ref.length > ref.file_bytes
+        ):
+            raise InvalidCheckpointState(f"bad frame range for {ref.key} in {where}")
     return manifest
 
 

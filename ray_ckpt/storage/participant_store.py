@@ -35,11 +35,13 @@ import msgspec
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.storage.blobs import BlobMissing, Blobs, blob_name
 from ray_ckpt.storage.durable import WriteStop
+from ray_ckpt.storage.incremental import ChainPolicy, Previous, plan, read_refs, same_records
 from ray_ckpt.storage.participant_manifest import (
     DIGEST_ALGO,
     MANIFEST_NAME,
     RECORDS_RE,
     SCHEMA_VERSION,
+    Frame,
     ParticipantManifest,
     Where,
     blobs_of,
@@ -54,14 +56,16 @@ from ray_ckpt.storage.participant_manifest import (
 from ray_ckpt.storage.pipeline import HashingReader, HashingWriter
 from ray_ckpt.storage.record import Record
 from ray_ckpt.storage.records_format import FORMAT
-from ray_ckpt.storage.records_io import encode_records, parse_records
+from ray_ckpt.storage.records_io import FrameIndex, encode_records, parse_records
 
 __all__ = [
     "DIGEST_ALGO",
     "MANIFEST_NAME",
     "RECORDS_RE",
     "SCHEMA_VERSION",
+    "ChainPolicy",
     "ParticipantManifest",
+    "Previous",
     "check_name",
     "decode_manifest",
     "encode_manifest",
@@ -83,13 +87,21 @@ def write_participant(
     checkpoint_id: str,
     records: Iterable[Record],
     stop: WriteStop | None = None,
+    previous: Previous | None = None,
+    policy: ChainPolicy | None = None,
 ) -> ParticipantManifest:
     """Stream the records, then create the manifest; return it.
 
+    With `previous` (the location and returned manifest of this
+    participant's last commit, a sibling under the same root), only records
+    that changed are written and the rest referenced (`incremental`); without
+    it, or when `policy` calls for a full rewrite, every record is written.
     An identical recommit returns the existing manifest; a different commit
     into the same place raises `InvalidCheckpointState`.
     """
     stop = stop or WriteStop()
+    if previous is not None:
+        records = list(records)  # looked at twice: the change check, then the write
     if not isinstance(checkpoint_id, str) or not checkpoint_id:
         raise InvalidCheckpointState(f"bad checkpoint id {checkpoint_id!r}")
     blobs = blobs_of(checkpoint_dir)
@@ -100,6 +112,18 @@ def write_participant(
         prior = load_manifest(blobs, kind=kind, instance=instance, checkpoint_id=None)
     if prior is not None:
         return _recommit(blobs, prior, checkpoint_id, records, stop)
+    chosen = None
+    if previous is not None:
+        assert isinstance(records, list)
+        chosen = plan(
+            blobs,
+            kind=kind,
+            instance=instance,
+            records=records,
+            previous=previous,
+            policy=policy or ChainPolicy(),
+        )
+    refs = chosen.refs if chosen is not None else {}
     records_file = f"records-{uuid.uuid4().hex}.msgpack"
     rkey = f"{pkey}/{records_file}"
     with contextlib.ExitStack() as publishing:
@@ -110,10 +134,19 @@ def write_participant(
             rkey, before_publish=lambda: publishing.enter_context(stop.publishing())
         ) as up:
             writer = HashingWriter(up.write)
+            index = FrameIndex()
             try:
-                keys = encode_records(writer, records, stop)
+                keys = encode_records(
+                    writer,
+                    records,
+                    stop,
+                    index=index,
+                    skip=refs,
+                    encoded=chosen.encoded if chosen is not None else None,
+                )
             finally:
                 digest = writer.close()
+                index.close()
         manifest = ParticipantManifest(
             schema_version=SCHEMA_VERSION,
             checkpoint_id=checkpoint_id,
@@ -126,6 +159,14 @@ def write_participant(
             episodes=sorted(keys),
             bytes=writer.size,
             format=FORMAT,
+            frames=[
+                Frame(key, offset, length, frame_digest, version)
+                for (key, offset, length, version), frame_digest in zip(
+                    index.spans, index.digests, strict=True
+                )
+            ],
+            refs=[refs[k] for k in sorted(refs)],
+            chain_depth=chosen.depth if chosen is not None else 0,
         )
         # No clean-up if this raises: the manifest may be published all the
         # same (a failing directory fsync after the link), naming the records.
@@ -155,6 +196,10 @@ def _recommit(
     pkey = participant_key(prior.kind, prior.instance)
     if prior.checkpoint_id != checkpoint_id:
         raise _conflict(blobs, pkey, prior)  # fail fast, before encoding anything
+    if prior.frames or prior.refs:
+        if not same_records(prior, list(records), stop):
+            raise _conflict(blobs, pkey, prior)
+        return prior
     writer = HashingWriter(lambda _chunk: None)
     try:
         keys = encode_records(writer, records, stop)
@@ -203,7 +248,9 @@ def read_records(
     manifest: ParticipantManifest,
     select: Callable[[str], bool] | None = None,
 ) -> list[Record]:
-    """Verify the whole records object a loaded manifest names; the records `select` keeps."""
+    """Verify the whole records object a loaded manifest names, and every
+    frame it references in earlier files (`incremental.read_refs`); the
+    records `select` keeps."""
     blobs = blobs_of(checkpoint_dir)
     key = f"{participant_key(manifest.kind, manifest.instance)}/{manifest.records_file}"
     name = blob_name(blobs, key)
@@ -226,8 +273,14 @@ def read_records(
         raise InvalidCheckpointState(f"digest mismatch in {name}: records are corrupt")
     if problem is not None:
         raise InvalidCheckpointState(f"corrupt records {name}: {problem}")
+    keys += [r.key for r in manifest.refs]
     if len(keys) != manifest.record_count or sorted(keys) != manifest.episodes:
         raise InvalidCheckpointState(
             f"records {name} hold {len(keys)} episodes, manifest lists {manifest.record_count}"
         )
-    return kept
+    if not manifest.refs:
+        return kept
+    # Referenced records are fetched only once the own file is verified, and
+    # nothing is returned unless every one is: the restore fails whole.
+    got = {r.key: r for r in kept} | read_refs(blobs, manifest, select)
+    return [got[k] for k in manifest.episodes if k in got]

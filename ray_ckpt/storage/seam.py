@@ -55,7 +55,18 @@ class FileRecordStore:
     A location that cannot be written or read is a typed error naming it
     (`ray_ckpt.storage.location`), never a raw `OSError` or a store's own
     exception.
+
+    Incremental: the store remembers the last checkpoint each participant
+    committed through it, and the next write references that one's
+    unchanged records (`ray_ckpt.storage.incremental`) when it is still
+    complete (its Gym manifest lists the very manifest written); a new
+    process, or a checkpoint that never completed, writes a full one.
+    `policy` bounds the chains (None: the documented defaults).
     """
+
+    def __init__(self, policy: Any = None) -> None:
+        self._policy = policy
+        self._last: dict[tuple[str, str], Any] = {}  # (kind, instance) -> Previous
 
     def new_stop(self) -> StopHandle:
         from ray_ckpt.storage import WriteStop
@@ -73,17 +84,39 @@ class FileRecordStore:
         stop: StopHandle,
     ) -> Any:
         from ray_ckpt.storage import WriteStop, write_participant
+        from ray_ckpt.storage.incremental import Previous
 
         assert isinstance(stop, WriteStop)
         with directory_errors(checkpoint_dir, "written"):
-            return write_participant(
+            manifest = write_participant(
                 checkpoint_dir,
                 kind=kind,
                 instance=instance,
                 checkpoint_id=checkpoint_id,
                 records=records,
                 stop=stop,
+                previous=self._previous(kind, instance),
+                policy=self._policy,
             )
+        self._last[(kind, instance)] = Previous(location=checkpoint_dir, manifest=manifest)
+        return manifest
+
+    def _previous(self, kind: str, instance: str) -> Any:
+        """The last commit through this store if its checkpoint completed with it."""
+        from ray_ckpt.errors import CheckpointError
+        from ray_ckpt.storage import open_location, read_gym_manifest
+        from ray_ckpt.storage.gym_manifest import listed_manifest
+
+        prev = self._last.get((kind, instance))
+        if prev is None:
+            return None
+        try:
+            blobs = open_location(prev.location)
+            gym = read_gym_manifest(blobs)
+            listed = listed_manifest(blobs, gym, gym.entry(kind, instance))
+        except CheckpointError:
+            return None  # incomplete, gone or unreadable: write a full one
+        return prev if listed == prev.manifest else None
 
     def read(
         self,
