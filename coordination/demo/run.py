@@ -8,7 +8,8 @@ uninterrupted run of the same seeds.  With no `--address` it starts a local
 Ray (loopback only) and stops it at the end; `--nodes N` makes that a local
 cluster of N nodes the fleet spreads over, and `--kill-node` loses the node
 of the environment and agent hosts instead of killing the actors
-(`coordination/demo/nodes.py`).  Exit status 0 only if every
+(`coordination/demo/nodes.py`); `--until-signal` and `--resume latest` tell
+the preemption story (`coordination/demo/preempt.py`).  Exit status 0 only if every
 result is equal, nothing was lost, and the checkpoint was put to the test:
 something was in flight when it was taken and some episode continued from it
 (`DemoReport.problems`).
@@ -56,6 +57,9 @@ class DemoOptions:
     stagger_s: float
     nodes: int = 1
     kill_node: bool = False
+    until_signal: bool = False
+    resume: str | None = None  # "latest"
+    grace_s: float = 25.0
 
 
 def fleet_config(opts: DemoOptions, *, suffix: str, namespace: str) -> FleetConfig:
@@ -215,6 +219,26 @@ def _kill_coordinator(handle: Any) -> None:
     is_flag=True,
     help="Lose the node of the environment and agent hosts after the checkpoint (needs --nodes>1).",
 )
+@click.option(
+    "--until-signal",
+    is_flag=True,
+    help="Run with signal checkpointing under --checkpoint-dir: SIGUSR1 checkpoints and "
+    "goes on, SIGTERM checkpoints and stops (coordination/demo/preempt.py).",
+)
+@click.option(
+    "--resume",
+    type=click.Choice(["latest"]),
+    default=None,
+    help="Continue the stopped run whose checkpoints are under --checkpoint-dir.",
+)
+@click.option(
+    "--grace",
+    "grace_s",
+    default=25.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="With --until-signal: the seconds a signal's checkpoint must fit in.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
 def demo_cli(as_json: bool, namespace: str | None, **kwargs: Any) -> None:
     """Checkpoint a fleet mid-flight, crash it, restore, continue, compare."""
@@ -223,8 +247,23 @@ def demo_cli(as_json: bool, namespace: str | None, **kwargs: Any) -> None:
         raise click.UsageError("--kill-node needs --nodes 2 or more on the cluster the demo starts")
     if opts.nodes > 1 and opts.address is not None:
         raise click.UsageError("--nodes starts a local cluster: not with --address")
+    preempt = opts.until_signal or opts.resume is not None
+    if preempt and (opts.kill_node or not opts.checkpoint_dir):
+        raise click.UsageError(
+            "--until-signal and --resume need --checkpoint-dir (the root) and no --kill-node"
+        )
     ui = Ui(stderr=True)
     local = start_ray(opts.address, opts.namespace, opts.nodes)
+    if preempt:
+        from coordination.demo.preempt import run_preempt
+
+        try:
+            summary, status = asyncio.run(run_preempt(opts, ui, local))
+        finally:
+            local.stop()
+        if as_json:
+            sys.stdout.write(msgspec.json.encode(summary).decode() + "\n")
+        sys.exit(status)
     try:
         report = asyncio.run(run_demo(opts, ui, local))
     finally:

@@ -209,3 +209,44 @@ async def crash(fleet: Fleet, rollouts: Rollouts) -> None:
     """Kill every Gym actor (no draining), then drop the driver's in-flight calls."""
     fleet.kill()
     await rollouts.abandon()
+
+
+@dataclass
+class Resumed:
+    """What `restore(root, "latest")` made of a stopped run's rollouts."""
+
+    checkpoint_dir: str
+    checkpoint_id: str
+    continued: list[str]
+    restarted: list[str]
+
+
+async def restore_latest_and_continue(
+    handle: Any,
+    session: aiohttp.ClientSession,
+    env_url: str,
+    root: str,
+    state: Any,
+    rollouts: Rollouts,
+) -> Resumed:
+    """Restore every episode of the checkpoint `latest` picks under `root`
+    into the (fresh) fleet and start attempt + 1 of each rollout the stopped
+    driver had not finished (`state`: its results and attempts then): from
+    the restored boundary when the environment installed one, else over."""
+    result = await handle.arestore(root, "latest")
+    rollouts.results.update(state.results)
+    rollouts.attempts.update(state.attempts)
+    env_keys = {
+        key
+        for participant, keys in result.restored.items()
+        if participant.startswith("environment/")
+        for key in keys
+    }
+    continued: list[str] = []
+    restarted: list[str] = []
+    for episode in rollouts.unfinished():
+        nxt = episode.next()
+        (continued if nxt.capture_key in env_keys else restarted).append(episode.rollout_id)
+        rollouts.start(session, env_url, episode.rollout_id, attempt=nxt.attempt)
+    source = result.source_checkpoint_id or result.checkpoint_id
+    return Resumed(result.checkpoint_dir, source, continued, restarted)
