@@ -34,6 +34,7 @@ import msgspec
 from ray_ckpt.errors import CheckpointError, InvalidCheckpointState
 from ray_ckpt.storage.blobs import BlobInfo, BlobMissing, Blobs, is_temp
 from ray_ckpt.storage.gym_manifest import GYM_MANIFEST_NAME, GymManifest
+from ray_ckpt.storage.incremental import referenced_files
 from ray_ckpt.storage.participant_store import MANIFEST_NAME, SCHEMA_VERSION
 from ray_ckpt.storage.pointer import LatestPointer, join_location, read_latest
 
@@ -94,17 +95,20 @@ def needed_keys(
     name: str, gym: GymManifest, manifests: Mapping[tuple[str, str], Mapping[str, Any]]
 ) -> frozenset[str]:
     """Every key checkpoint `name` needs to restore: its Gym manifest, each
-    participant manifest, and each records object those manifests name.
-
-    Today a checkpoint only names files of its own; a manifest that references
-    another checkpoint's records adds those keys here (and nowhere else)."""
+    participant manifest, each records object those manifests name, and each
+    earlier checkpoint's records object an incremental manifest references
+    (`incremental.referenced_files`; always in the participant's own folder
+    of a sibling checkpoint)."""
     keys = {f"{name}/{GYM}/{GYM_MANIFEST_NAME}"}
     for e in gym.participants:
         pdir = f"{name}/{GYM}/{e.kind}/{e.instance}"
         keys.add(f"{pdir}/{MANIFEST_NAME}")
-        records = manifests[(e.kind, e.instance)].get("records_file")
+        m = manifests[(e.kind, e.instance)]
+        records = m.get("records_file")
         if isinstance(records, str):
             keys.add(f"{pdir}/{records}")
+        for checkpoint, records_file in referenced_files(m):
+            keys.add(f"{checkpoint}/{GYM}/{e.kind}/{e.instance}/{records_file}")
     return frozenset(keys)
 
 

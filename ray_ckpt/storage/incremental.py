@@ -30,44 +30,36 @@ Chains are bounded (`ChainPolicy`, defaults `FULL_EVERY` = 8 and
 `min_live_fraction` of the bytes of the files they point into (the old
 files are then kept alive mostly for records that have since changed).
 
-What a restore verifies (`read_refs`): each referenced file exists with the
-size recorded; each frame's bytes, fetched with a ranged read, have the
-sha256 recorded and hold the expected key and lengths.  The whole old file is
-not re-hashed: its own digest was verified when it was written and by any
-restore of its own checkpoint, and the frame digest covers every byte this
-restore uses.  A missing file or a bad frame refuses the whole restore.
+What a restore verifies is in `referenced`, which reads them back.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import msgspec
 
 from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest
-from ray_ckpt.storage.blobs import BlobMissing, Blobs, blob_name
+from ray_ckpt.storage.blobs import BlobMissing, Blobs
 from ray_ckpt.storage.durable import WriteStop
 from ray_ckpt.storage.locations import open_location
 from ray_ckpt.storage.participant_manifest import (
     MANIFEST_NAME,
+    RECORDS_RE,
     FrameRef,
     ParticipantManifest,
+    check_name,
     decode_manifest,
     participant_key,
 )
 from ray_ckpt.storage.pointer import split_location
 from ray_ckpt.storage.record import Record
-from ray_ckpt.storage.records_format import FRAME, StateEncoder, decode_state
+from ray_ckpt.storage.records_format import StateEncoder
 
 FULL_EVERY = 8
 MIN_LIVE_FRACTION = 0.5
-# Adjacent referenced frames are fetched in one ranged read up to this size,
-# and across gaps up to `_GAP` (a few wasted bytes beat one more round trip).
-_MAX_READ = 16 << 20
-_GAP = 1 << 20
-_READERS = 2
 
 
 class ChainPolicy(msgspec.Struct, frozen=True):
@@ -124,6 +116,11 @@ def _sibling(here: str, there: str) -> str | None:
     return name2 if root == root2 and name != name2 else None
 
 
+def root_of(here: Blobs) -> Blobs:
+    """The root above a checkpoint location: where its siblings are."""
+    return open_location(split_location(here.url)[0])
+
+
 def plan(
     here: Blobs,
     *,
@@ -141,7 +138,7 @@ def plan(
     name = _sibling(here.url, previous.location)
     if name is None or depth >= policy.full_every or not prev.frames or prev.bytes <= 0:
         return None
-    root = _root(here)
+    root = root_of(here)
     pdir = f"{name}/{participant_key(kind, instance)}"
     try:
         stored = decode_manifest(root.read(f"{pdir}/{MANIFEST_NAME}"), pdir)
@@ -184,103 +181,6 @@ def plan(
     return Plan(refs=refs, encoded=encoded, depth=depth)
 
 
-def _root(here: Blobs) -> Blobs:
-    return open_location(split_location(here.url)[0])
-
-
-def read_refs(
-    here: Blobs, manifest: ParticipantManifest, select: Callable[[str], bool] | None
-) -> dict[str, Record]:
-    """Fetch and verify every referenced frame; the records `select` keeps.
-
-    Raises `InvalidCheckpointState` naming the file for a missing or resized
-    file, or a frame whose bytes differ from the digest recorded."""
-    if not manifest.refs:
-        return {}
-    root = _root(here)
-    pkey = participant_key(manifest.kind, manifest.instance)
-    by_file: dict[str, list[FrameRef]] = {}
-    for ref in manifest.refs:
-        by_file.setdefault(f"{ref.checkpoint}/{pkey}/{ref.records_file}", []).append(ref)
-    reads: list[tuple[str, list[FrameRef]]] = []
-    for key, refs in by_file.items():
-        name = blob_name(root, key)
-        try:
-            size = root.info(key).size
-        except BlobMissing:
-            raise InvalidCheckpointState(f"referenced records file {name} is missing") from None
-        if size != refs[0].file_bytes:
-            raise InvalidCheckpointState(
-                f"referenced records file {name} is {size} bytes, manifest says "
-                f"{refs[0].file_bytes}"
-            )
-        reads.extend((key, group) for group in _coalesce(refs))
-    kept: dict[str, Record] = {}
-    with ThreadPoolExecutor(_READERS, thread_name_prefix="ray-ckpt-refs") as pool:
-        for key, group, data in pool.map(lambda r: _fetch(root, *r), reads):
-            for ref, frame in _frames(root, key, group, data):
-                if select is None or select(ref.key):
-                    try:
-                        kept[ref.key] = Record(ref.key, decode_state(frame))
-                    except (msgspec.DecodeError, ValueError) as exc:
-                        raise InvalidCheckpointState(
-                            f"corrupt record {ref.key} in {blob_name(root, key)}: {exc}"
-                        ) from exc
-    return kept
-
-
-def _coalesce(refs: list[FrameRef]) -> Iterator[list[FrameRef]]:
-    group: list[FrameRef] = []
-    for ref in sorted(refs, key=lambda r: r.offset):
-        if group:
-            start, end = group[0].offset, group[-1].offset + group[-1].length
-            if ref.offset - end > _GAP or ref.offset + ref.length - start > _MAX_READ:
-                yield group
-                group = []
-        group.append(ref)
-    if group:
-        yield group
-
-
-def _fetch(root: Blobs, key: str, group: list[FrameRef]) -> tuple[str, list[FrameRef], bytes]:
-    start = group[0].offset
-    end = max(r.offset + r.length for r in group)
-    try:
-        data = root.read_range(key, start, end - start)
-    except BlobMissing:
-        raise InvalidCheckpointState(
-            f"referenced records file {blob_name(root, key)} is missing"
-        ) from None
-    # Hashed here, on the reader threads (hashlib releases the GIL).
-    for ref in group:
-        view = memoryview(data)[ref.offset - start : ref.offset - start + ref.length]
-        if len(view) != ref.length or hashlib.sha256(view).hexdigest() != ref.digest:
-            raise InvalidCheckpointState(
-                f"digest mismatch in {blob_name(root, key)} at offset {ref.offset} "
-                f"(record {ref.key}): referenced records are corrupt"
-            )
-    return key, group, data
-
-
-def _frames(
-    root: Blobs, key: str, group: list[FrameRef], data: bytes
-) -> Iterator[tuple[FrameRef, memoryview]]:
-    """Each verified frame's state bytes, after checking its header names it."""
-    start = group[0].offset
-    view = memoryview(data)
-    for ref in group:
-        at = ref.offset - start
-        key_len, state_len = FRAME.unpack_from(view, at) if ref.length >= FRAME.size else (0, -1)
-        head = at + FRAME.size
-        if FRAME.size + key_len + state_len != ref.length or bytes(
-            view[head : head + key_len]
-        ) != ref.key.encode("utf-8"):
-            raise InvalidCheckpointState(
-                f"frame at offset {ref.offset} of {blob_name(root, key)} is not record {ref.key}"
-            )
-        yield ref, view[head + key_len : at + ref.length]
-
-
 def same_records(prior: ParticipantManifest, records: Sequence[Record], stop: WriteStop) -> bool:
     """True if `records` are what `prior` (with a frame index) committed: a
     retried commit returns it without writing a second records file."""
@@ -301,3 +201,28 @@ def same_records(prior: ParticipantManifest, records: Sequence[Record], stop: Wr
         if hashlib.sha256(frame).hexdigest() != cand.digest:
             return False
     return True
+
+
+def referenced_files(manifest: Mapping[str, Any]) -> set[tuple[str, str]]:
+    """(checkpoint, records file) of every reference in a raw manifest object.
+
+    Lenient on purpose: garbage collection asks it which files to keep, so an
+    entry it cannot read is skipped rather than failing the scan (the restore
+    of that checkpoint refuses it, naming what is wrong)."""
+    found: set[tuple[str, str]] = set()
+    refs = manifest.get("refs")
+    for ref in refs if isinstance(refs, list) else ():
+        pair = (ref[0], ref[1]) if isinstance(ref, list) and len(ref) >= 2 else None
+        if pair is not None and _plain(*pair):
+            found.add(pair)
+    return found
+
+
+def _plain(checkpoint: object, records_file: object) -> bool:
+    if not isinstance(checkpoint, str) or not isinstance(records_file, str):
+        return False
+    try:
+        check_name("checkpoint", checkpoint)
+    except InvalidCheckpointState:
+        return False
+    return RECORDS_RE.fullmatch(records_file) is not None

@@ -35,7 +35,7 @@ import msgspec
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.storage.blobs import BlobMissing, Blobs, blob_name
 from ray_ckpt.storage.durable import WriteStop
-from ray_ckpt.storage.incremental import ChainPolicy, Previous, plan, read_refs, same_records
+from ray_ckpt.storage.incremental import ChainPolicy, Previous, plan, same_records
 from ray_ckpt.storage.participant_manifest import (
     DIGEST_ALGO,
     MANIFEST_NAME,
@@ -57,6 +57,7 @@ from ray_ckpt.storage.pipeline import HashingReader, HashingWriter
 from ray_ckpt.storage.record import Record
 from ray_ckpt.storage.records_format import FORMAT
 from ray_ckpt.storage.records_io import FrameIndex, encode_records, parse_records
+from ray_ckpt.storage.referenced import read_refs
 
 __all__ = [
     "DIGEST_ALGO",

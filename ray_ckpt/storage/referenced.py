@@ -1,0 +1,125 @@
+"""Restore across files: fetch and verify the frames an incremental manifest references.
+
+What is verified: each referenced file exists with the size recorded; each
+frame's bytes, fetched with a ranged read (adjacent frames in one read, up to
+`_MAX_READ`), have the sha256 recorded and a header naming the expected key
+and lengths.  The whole old file is not re-hashed: its own digest was
+verified when it was written and by any restore of its own checkpoint, and
+the frame digest covers every byte this restore uses.  A missing file or a
+bad frame raises before any record is returned, so a restore fails whole.
+See `incremental` for how references are made.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+
+from ray_ckpt.errors import InvalidCheckpointState
+from ray_ckpt.storage.blobs import BlobMissing, Blobs, blob_name
+from ray_ckpt.storage.incremental import root_of
+from ray_ckpt.storage.participant_manifest import FrameRef, ParticipantManifest, participant_key
+from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records_format import FRAME, decode_state
+
+# Adjacent referenced frames are fetched in one ranged read up to this size,
+# and across gaps up to `_GAP` (a few wasted bytes beat one more round trip).
+_MAX_READ = 16 << 20
+_GAP = 1 << 20
+_READERS = 2
+
+
+def read_refs(
+    here: Blobs, manifest: ParticipantManifest, select: Callable[[str], bool] | None
+) -> dict[str, Record]:
+    """Fetch and verify every referenced frame; the records `select` keeps.
+
+    Raises `InvalidCheckpointState` naming the file for a missing or resized
+    file, or a frame whose bytes differ from the digest recorded."""
+    if not manifest.refs:
+        return {}
+    root = root_of(here)
+    pkey = participant_key(manifest.kind, manifest.instance)
+    by_file: dict[str, list[FrameRef]] = {}
+    for ref in manifest.refs:
+        by_file.setdefault(f"{ref.checkpoint}/{pkey}/{ref.records_file}", []).append(ref)
+    reads: list[tuple[str, list[FrameRef]]] = []
+    for key, refs in by_file.items():
+        name = blob_name(root, key)
+        try:
+            size = root.info(key).size
+        except BlobMissing:
+            raise InvalidCheckpointState(f"referenced records file {name} is missing") from None
+        if size != refs[0].file_bytes:
+            raise InvalidCheckpointState(
+                f"referenced records file {name} is {size} bytes, manifest says "
+                f"{refs[0].file_bytes}"
+            )
+        reads.extend((key, group) for group in _coalesce(refs))
+    kept: dict[str, Record] = {}
+    with ThreadPoolExecutor(_READERS, thread_name_prefix="ray-ckpt-refs") as pool:
+        for key, group, data in pool.map(lambda r: _fetch(root, *r), reads):
+            for ref, frame in _frames(root, key, group, data):
+                if select is None or select(ref.key):
+                    try:
+                        kept[ref.key] = Record(ref.key, decode_state(frame))
+                    except (msgspec.DecodeError, ValueError) as exc:
+                        raise InvalidCheckpointState(
+                            f"corrupt record {ref.key} in {blob_name(root, key)}: {exc}"
+                        ) from exc
+    return kept
+
+
+def _coalesce(refs: list[FrameRef]) -> Iterator[list[FrameRef]]:
+    group: list[FrameRef] = []
+    for ref in sorted(refs, key=lambda r: r.offset):
+        if group:
+            start, end = group[0].offset, group[-1].offset + group[-1].length
+            if ref.offset - end > _GAP or ref.offset + ref.length - start > _MAX_READ:
+                yield group
+                group = []
+        group.append(ref)
+    if group:
+        yield group
+
+
+def _fetch(root: Blobs, key: str, group: list[FrameRef]) -> tuple[str, list[FrameRef], bytes]:
+    start = group[0].offset
+    end = max(r.offset + r.length for r in group)
+    try:
+        data = root.read_range(key, start, end - start)
+    except BlobMissing:
+        raise InvalidCheckpointState(
+            f"referenced records file {blob_name(root, key)} is missing"
+        ) from None
+    # Hashed here, on the reader threads (hashlib releases the GIL).
+    for ref in group:
+        view = memoryview(data)[ref.offset - start : ref.offset - start + ref.length]
+        if len(view) != ref.length or hashlib.sha256(view).hexdigest() != ref.digest:
+            raise InvalidCheckpointState(
+                f"digest mismatch in {blob_name(root, key)} at offset {ref.offset} "
+                f"(record {ref.key}): referenced records are corrupt"
+            )
+    return key, group, data
+
+
+def _frames(
+    root: Blobs, key: str, group: list[FrameRef], data: bytes
+) -> Iterator[tuple[FrameRef, memoryview]]:
+    """Each verified frame's state bytes, after checking its header names it."""
+    start = group[0].offset
+    view = memoryview(data)
+    for ref in group:
+        at = ref.offset - start
+        key_len, state_len = FRAME.unpack_from(view, at) if ref.length >= FRAME.size else (0, -1)
+        head = at + FRAME.size
+        if FRAME.size + key_len + state_len != ref.length or bytes(
+            view[head : head + key_len]
+        ) != ref.key.encode("utf-8"):
+            raise InvalidCheckpointState(
+                f"frame at offset {ref.offset} of {blob_name(root, key)} is not record {ref.key}"
+            )
+        yield ref, view[head + key_len : at + ref.length]
