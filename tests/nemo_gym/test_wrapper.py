@@ -291,3 +291,25 @@ async def test_sidecar_mode_serves_the_control_routes_in_the_servers_process(
         assert gym.front is not None
         assert gym.front.controller is not None
         await gym.front.controller.aclose()
+
+
+async def test_a_bad_record_installs_nothing() -> None:
+    from participants.nemo_gym import Codecs, SessionStates
+    from ray_ckpt.identity import EpisodeId
+
+    server = CounterServer()
+    states = SessionStates(server, ["session_id_to_counter"], Codecs())
+    good = states.encode_session("r")  # no state yet: an empty record
+    assert good == {}
+    server.session_id_to_counter["r"] = 3
+    good = states.encode_session("r")
+    bad_field = {"not_a_field": 1}
+    bad_data = {"session_id_to_counter": {"$codec": "nope", "data": 1}}
+    for bad in (bad_field, bad_data, ["not", "a", "dict"]):
+        with pytest.raises(InvalidCheckpointState):
+            await states.restore_session_states({EpisodeId("a", 1): good, EpisodeId("b", 1): bad})
+        assert server.session_id_to_counter == {"r": 3}  # nothing installed
+    await states.restore_session_states({EpisodeId("a", 1): good})
+    assert server.session_id_to_counter == {"r": 3, "a-a1": 3}
+    with pytest.raises(ValueError, match="not a dict of sessions"):
+        SessionStates(server, ["hold"], Codecs())
