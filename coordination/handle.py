@@ -24,7 +24,7 @@ message, never a remote traceback.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 from coordination import roots
@@ -42,6 +42,8 @@ from coordination.results import (
     ResumeResult,
     RetireResult,
 )
+from coordination.signals import DEFAULT_GRACE_S as SIGNAL_GRACE_S
+from coordination.signals import DEFAULT_SIGNALS, SignalCheckpointing
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage.catalog import CheckpointEntry
 from ray_ckpt.storage.retention import DEFAULT_GRACE_S, GcPlan
@@ -246,6 +248,32 @@ class CoordinatorHandle:
     async def astop_periodic(self) -> PeriodicStatus | None:
         res: PeriodicStatus | None = await self._async("stop_periodic")
         return res
+
+    # --- checkpoints on a signal (coordination.signals) --------------------------
+    def checkpoint_on_signal(
+        self,
+        root: str,
+        scope: Iterable[EpisodeLike] | Callable[[], Iterable[EpisodeLike]] | None = None,
+        signals: Iterable[int] = DEFAULT_SIGNALS,
+        grace_s: float = SIGNAL_GRACE_S,
+    ) -> SignalCheckpointing:
+        """From the main thread: SIGUSR1 checkpoints under `root` and goes on,
+        SIGTERM checkpoints with `stop` and exits, each inside `grace_s`
+        (scope: a list, or a callable asked at the signal; None: the assembler's,
+        as for periodic ones).  Replaces an earlier call's handlers."""
+        self.stop_checkpoint_on_signal()
+        on_signal = SignalCheckpointing(
+            self, str(root), scope=scope, signals=signals, grace_s=grace_s
+        ).install()
+        self._on_signal: SignalCheckpointing | None = on_signal
+        return on_signal
+
+    def stop_checkpoint_on_signal(self) -> None:
+        """Put the previous signal handlers back (a no-op if none are ours)."""
+        current: SignalCheckpointing | None = getattr(self, "_on_signal", None)
+        if current is not None:
+            current.uninstall()
+            self._on_signal = None
 
     def list_checkpoints(self, root: str) -> list[CheckpointEntry]:
         """The checkpoints under `root`, oldest first (read here, not by the coordinator)."""
