@@ -57,7 +57,7 @@ from ray_ckpt.storage.pipeline import HashingReader, HashingWriter
 from ray_ckpt.storage.record import Record
 from ray_ckpt.storage.records_format import FORMAT
 from ray_ckpt.storage.records_io import FrameIndex, encode_records, parse_records
-from ray_ckpt.storage.referenced import read_refs
+from ray_ckpt.storage.referenced import RefReader
 
 __all__ = [
     "DIGEST_ALGO",
@@ -250,9 +250,22 @@ def read_records(
     select: Callable[[str], bool] | None = None,
 ) -> list[Record]:
     """Verify the whole records object a loaded manifest names, and every
-    frame it references in earlier files (`incremental.read_refs`); the
-    records `select` keeps."""
+    frame it references in earlier files (`referenced`); the records
+    `select` keeps (own and referenced, in the manifest's key order)."""
     blobs = blobs_of(checkpoint_dir)
+    if not manifest.refs:
+        return _read_own(blobs, manifest, select)
+    # The referenced frames are fetched while the own file is verified, and
+    # nothing is returned unless every one is: the restore fails whole.
+    with RefReader(blobs, manifest) as refs:
+        got = {r.key: r for r in _read_own(blobs, manifest, select)}
+        got |= refs.records(select)
+    return [got[k] for k in manifest.episodes if k in got]
+
+
+def _read_own(
+    blobs: Blobs, manifest: ParticipantManifest, select: Callable[[str], bool] | None
+) -> list[Record]:
     key = f"{participant_key(manifest.kind, manifest.instance)}/{manifest.records_file}"
     name = blob_name(blobs, key)
     try:
@@ -279,9 +292,4 @@ def read_records(
         raise InvalidCheckpointState(
             f"records {name} hold {len(keys)} episodes, manifest lists {manifest.record_count}"
         )
-    if not manifest.refs:
-        return kept
-    # Referenced records are fetched only once the own file is verified, and
-    # nothing is returned unless every one is: the restore fails whole.
-    got = {r.key: r for r in kept} | read_refs(blobs, manifest, select)
-    return [got[k] for k in manifest.episodes if k in got]
+    return kept

@@ -13,8 +13,10 @@ See `incremental` for how references are made.
 from __future__ import annotations
 
 import hashlib
+import itertools
+from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 
@@ -30,18 +32,64 @@ from ray_ckpt.storage.records_format import FRAME, decode_state
 _MAX_READ = 16 << 20
 _GAP = 1 << 20
 _READERS = 2
+_AHEAD = 4  # reads in flight: at most _AHEAD * _MAX_READ bytes held
 
 
 def read_refs(
     here: Blobs, manifest: ParticipantManifest, select: Callable[[str], bool] | None
 ) -> dict[str, Record]:
-    """Fetch and verify every referenced frame; the records `select` keeps.
+    """Fetch and verify every referenced frame; the records `select` keeps."""
+    with RefReader(here, manifest) as refs:
+        return refs.records(select)
 
+
+class RefReader:
+    """Fetches a manifest's referenced frames on threads, a few reads ahead.
+
+    Made before the own records file is parsed, so the first ranged reads
+    overlap that parse; `records` then verifies and decodes them in order.
     Raises `InvalidCheckpointState` naming the file for a missing or resized
-    file, or a frame whose bytes differ from the digest recorded."""
-    if not manifest.refs:
-        return {}
-    root = root_of(here)
+    file (at construction), or a frame whose bytes differ from the digest
+    recorded.  Memory: at most `_AHEAD` reads of `_MAX_READ` are held."""
+
+    def __init__(self, here: Blobs, manifest: ParticipantManifest) -> None:
+        self._root = root_of(here) if manifest.refs else here
+        self._pool = ThreadPoolExecutor(_READERS, thread_name_prefix="ray-ckpt-refs")
+        self._pending: deque[Future[tuple[str, list[FrameRef], bytes]]] = deque()
+        self._todo = iter(_reads(self._root, manifest))
+        self._more(_AHEAD)
+
+    def __enter__(self) -> RefReader:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _more(self, n: int) -> None:
+        for key, group in itertools.islice(self._todo, n):
+            self._pending.append(self._pool.submit(_fetch, self._root, key, group))
+
+    def records(self, select: Callable[[str], bool] | None) -> dict[str, Record]:
+        kept: dict[str, Record] = {}
+        while self._pending:
+            key, group, data = self._pending.popleft().result()
+            self._more(1)
+            for ref, frame in _frames(self._root, key, group, data):
+                if select is None or select(ref.key):
+                    try:
+                        kept[ref.key] = Record(ref.key, decode_state(frame))
+                    except (msgspec.DecodeError, ValueError) as exc:
+                        raise InvalidCheckpointState(
+                            f"corrupt record {ref.key} in {blob_name(self._root, key)}: {exc}"
+                        ) from exc
+        return kept
+
+
+def _reads(root: Blobs, manifest: ParticipantManifest) -> list[tuple[str, list[FrameRef]]]:
+    """The ranged reads to make, once each referenced file is there at its size."""
     pkey = participant_key(manifest.kind, manifest.instance)
     by_file: dict[str, list[FrameRef]] = {}
     for ref in manifest.refs:
@@ -59,18 +107,7 @@ def read_refs(
                 f"{refs[0].file_bytes}"
             )
         reads.extend((key, group) for group in _coalesce(refs))
-    kept: dict[str, Record] = {}
-    with ThreadPoolExecutor(_READERS, thread_name_prefix="ray-ckpt-refs") as pool:
-        for key, group, data in pool.map(lambda r: _fetch(root, *r), reads):
-            for ref, frame in _frames(root, key, group, data):
-                if select is None or select(ref.key):
-                    try:
-                        kept[ref.key] = Record(ref.key, decode_state(frame))
-                    except (msgspec.DecodeError, ValueError) as exc:
-                        raise InvalidCheckpointState(
-                            f"corrupt record {ref.key} in {blob_name(root, key)}: {exc}"
-                        ) from exc
-    return kept
+    return reads
 
 
 def _coalesce(refs: list[FrameRef]) -> Iterator[list[FrameRef]]:
