@@ -64,7 +64,10 @@ class ParticipantController:
         self.instance = instance
         self.settings = settings
         self.clock = clock
-        self.store: RecordStore = store or FileRecordStore()
+        self.store: RecordStore = store or FileRecordStore(
+            full_every=settings.incremental_full_every,
+            min_live_fraction=settings.incremental_min_live_fraction,
+        )
         self.state = ControlState()
         self.retired = RetiredAttempts()
         self._lock = asyncio.Lock()

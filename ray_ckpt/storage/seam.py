@@ -61,11 +61,14 @@ class FileRecordStore:
     unchanged records (`ray_ckpt.storage.incremental`) when it is still
     complete (its Gym manifest lists the very manifest written); a new
     process, or a checkpoint that never completed, writes a full one.
-    `policy` bounds the chains (None: the documented defaults).
+    `full_every` and `min_live_fraction` bound the chains (`ChainPolicy`;
+    the settings' `incremental_*` fields); `full_every=1` writes every
+    checkpoint in full.
     """
 
-    def __init__(self, policy: Any = None) -> None:
-        self._policy = policy
+    def __init__(self, *, full_every: int = 8, min_live_fraction: float = 0.5) -> None:
+        self._policy: Any = None  # built at the first write: storage is imported lazily
+        self._bounds = (full_every, min_live_fraction)
         self._last: dict[tuple[str, str], Any] = {}  # (kind, instance) -> Previous
 
     def new_stop(self) -> StopHandle:
@@ -84,9 +87,11 @@ class FileRecordStore:
         stop: StopHandle,
     ) -> Any:
         from ray_ckpt.storage import WriteStop, write_participant
-        from ray_ckpt.storage.incremental import Previous
+        from ray_ckpt.storage.incremental import ChainPolicy, Previous
 
         assert isinstance(stop, WriteStop)
+        if self._policy is None:
+            self._policy = ChainPolicy(*self._bounds)
         with directory_errors(checkpoint_dir, "written"):
             manifest = write_participant(
                 checkpoint_dir,

@@ -278,3 +278,33 @@ def test_the_store_references_its_last_complete_commit_only(root: str) -> None:
     assert len(commit("ck-1", 1, gym=False).refs) == 19
     assert not commit("ck-2", 2).refs  # ck-1 never completed: a full one
     assert len(commit("ck-3", 3).refs) == 19
+
+
+def test_full_every_one_turns_references_off(root: str) -> None:
+    store = FileRecordStore(full_every=1)
+    for c in range(2):
+        where = join_location(root, f"ck-{c}")
+        m = store.write(
+            where,
+            kind=KIND,
+            instance=INST,
+            checkpoint_id=f"c{c}",
+            records=[rec(i, 0) for i in range(5)],
+            stop=store.new_stop(),
+        )
+        write_gym_manifest(where, checkpoint_id=f"c{c}", manifests=[m])
+        assert not m.refs
+        assert len(m.frames) == 5
+
+
+def test_settings_bound_the_chain() -> None:
+    from pydantic import ValidationError
+
+    from ray_ckpt.settings import CheckpointSettings
+
+    s = CheckpointSettings()
+    assert (s.incremental_full_every, s.incremental_min_live_fraction) == (8, 0.5)
+    with pytest.raises(ValidationError):
+        CheckpointSettings(incremental_full_every=0)
+    with pytest.raises(ValidationError):
+        CheckpointSettings(incremental_min_live_fraction=1.5)
