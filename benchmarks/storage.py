@@ -90,7 +90,9 @@ def measure(args: argparse.Namespace, location: str) -> dict[str, Any]:
     finally:
         loc.remove()
     summed = [
-        k for k in (*SUMMED, "inc_mb", "inc_commit_s", "chain_restore_s") if k in mixes["text"]
+        k
+        for k in (*SUMMED, "full_mb", "inc_mb", "inc_commit_s", "chain_restore_s")
+        if k in mixes["text"]
     ]
     total = {k: sum(m[k] for m in mixes.values()) for k in summed}
     out: dict[str, Any] = {"sessions": args.sessions, "kb": args.kb, **total, **ratios(total)}

@@ -64,25 +64,26 @@ def build(mix: str, sessions: int, kb: int) -> list[Record]:
     rng = random.Random(7)
     if mix == "text":
         pool = _text_pool(rng)
-        return [Record(f"r{i}", text_state(i, kb, pool)) for i in range(sessions)]
+        return [Record(f"r{i}", text_state(i, kb, pool), version="0") for i in range(sessions)]
     n = kb * 1024 // 26
     floats = [rng.uniform(-25.0, 0.0) for _ in range(n + 20000)]
     ids = [rng.randrange(0, 152000) for _ in range(n + 20000)]
-    return [Record(f"r{i}", number_state(i, kb, floats, ids)) for i in range(sessions)]
+    return [Record(f"r{i}", number_state(i, kb, floats, ids), version="0") for i in range(sessions)]
 
 
 def changed(records: list[Record], fraction: float, generation: int) -> list[Record]:
-    """The next generation: the same episodes, `fraction` of them (at least one,
-    spread over the list and different in each generation) with a new step."""
-    count = max(1, round(len(records) * fraction)) if fraction > 0 else 0
-    stride = len(records) / count if count else 0.0
-    picked = {int(k * stride + generation) % len(records) for k in range(count)}
+    """Generation `generation`: the same episodes, `fraction` of them (at least
+    one, spread over the list, the same ones in every generation: those still
+    stepping) with a new step and a new version (the exporter's step count)."""
+    count = max(1, round(len(records) * fraction))
+    stride = len(records) / count
+    picked = {int(k * stride) for k in range(count)}
     out = []
     for i, rec in enumerate(records):
         if i in picked:
             # A step taken: the state grows by one small entry, the rest is shared.
             step = {"generation": generation, "reward": (generation * 0.37) % 1 - 0.5}
-            rec = Record(rec.key, {**rec.state, "last_step": step})
+            rec = Record(rec.key, {**rec.state, "last_step": step}, version=str(generation))
         out.append(rec)
     return out
 

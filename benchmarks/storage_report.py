@@ -50,7 +50,7 @@ def ratios(r: dict[str, float]) -> dict[str, float]:
         "vs_peer_restore": r["restore_s"] / r["peer_restore_s"],
     }
     if "inc_commit_s" in r:
-        out["incremental_bytes_ratio"] = r["inc_mb"] / r["records_mb"]
+        out["incremental_bytes_ratio"] = r["inc_mb"] / r["full_mb"]
         out["incremental_commit_ratio"] = r["inc_commit_s"] / r["commit_s"]
         out["chain_restore_ratio"] = r["chain_restore_s"] / r["restore_s"]
     return out
@@ -114,6 +114,7 @@ COLUMNS = (
     "commit_rss_mb",
     "restore_rss_mb",
     "peer_restore_rss_mb",
+    "full_mb",
     "inc_mb",
     "inc_commit_s",
     "chain_restore_s",

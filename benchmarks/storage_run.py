@@ -9,6 +9,7 @@ full base are written once per mix, before the repetitions, untimed.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
 import statistics
@@ -30,6 +31,7 @@ from storage_baselines import (
     raw_read_decode,
 )
 from storage_data import PeakRss
+from storage_incremental import Chain, written_mb
 
 from ray_ckpt.storage import Blobs, LocalBlobs, open_location, read_participant, write_participant
 from ray_ckpt.storage.record import Record, check_json
@@ -46,6 +48,12 @@ class Location:
 
     def at(self, sub: str) -> Blobs:
         return open_location(f"{self.url}/{sub}")
+
+    def settle(self) -> None:
+        """Before each timed step, untimed: no earlier step's dirty pages still
+        being written back, so every write and read starts from the same state."""
+        if self.on_disk:
+            os.sync()
 
     def remove(self, sub: str = "") -> None:
         if self.on_disk:
@@ -73,7 +81,9 @@ def _restore(where: Blobs) -> list[Record]:
     return restored
 
 
-def _one_rep(rep: int, loc: Location, records: list[Record], chunks: list[bytes], add: Add) -> None:
+def _one_rep(
+    rep: int, loc: Location, records: list[Record], chunks: list[bytes], chain: Chain, add: Add
+) -> None:
     base = f"rep{rep}"
     ours = loc.at(f"{base}/ours")
     nbytes = sum(len(c) for c in chunks)
@@ -87,6 +97,12 @@ def _one_rep(rep: int, loc: Location, records: list[Record], chunks: list[bytes]
             raise RuntimeError("the raw baseline's bytes are not our records file's")
         add("commit_s", t)
         add("commit_rss_mb", mem.growth_mb)
+        add("full_mb", written_mb(ours, m))
+
+    def incremental() -> None:
+        t, mb = _timed(lambda: chain.incremental(f"inc-{rep}"))
+        add("inc_commit_s", t)
+        add("inc_mb", mb)
 
     def peer() -> None:
         add("peer_commit_s", _timed(lambda: peer_commit(loc.blobs, f"{base}/peer", records))[0])
@@ -103,6 +119,12 @@ def _one_rep(rep: int, loc: Location, records: list[Record], chunks: list[bytes]
         add("restore_s", t)
         add("restore_rss_mb", mem.growth_mb)
 
+    def chain_restore() -> None:
+        t, n = _timed(chain.restore_tip)
+        if n != len(records):
+            raise RuntimeError(f"the chain restored {n} of {len(records)} records")
+        add("chain_restore_s", t)
+
     def peer_read() -> None:
         with PeakRss() as mem:
             t, _ = _timed(lambda: peer_restore(loc.blobs, f"{base}/peer"))
@@ -113,11 +135,12 @@ def _one_rep(rep: int, loc: Location, records: list[Record], chunks: list[bytes]
         add("raw_read_s", _timed(lambda: raw_read(loc.raw, f"{base}/raw"))[0])
         add("raw_read_decode_s", _timed(lambda: raw_read_decode(loc.raw, f"{base}/raw"))[0])
 
-    writes: list[Callable[[], None]] = [commit, peer, raw]
-    reads: list[Callable[[], None]] = [restore, peer_read, raw_reads]
+    writes: list[Callable[[], None]] = [commit, incremental, peer, raw]
+    reads: list[Callable[[], None]] = [restore, chain_restore, peer_read, raw_reads]
     for group in (writes, reads):
         k = rep % len(group)
         for step in group[k:] + group[:k]:
+            loc.settle()
             step()
     add("records_mb", nbytes / 1e6)
     add("peer_mb", loc.blobs.info(f"{base}/peer").size / 1e6)
@@ -133,9 +156,12 @@ def run_mix(
 
     add("check_s", _timed(lambda: [check_json(r.state, episode=r.key) for r in records])[0])
     chunks = encode_chunks(records)
+    print(f"[{mix}] writing the incremental chain", file=sys.stderr, flush=True)
+    chain = Chain(f"{loc.url}/{mix}-chain", records, fraction)
     for rep in range(reps):
-        _one_rep(rep, loc, records, chunks, add)
+        _one_rep(rep, loc, records, chunks, chain, add)
         loc.remove(f"rep{rep}")
+        loc.remove(f"{mix}-chain/inc-{rep}")
         cur = {k: round(v[-1], 3) for k, v in samples.items() if k != "check_s"}
         print(f"[{mix} {rep + 1}/{reps}] {cur}", file=sys.stderr, flush=True)
     return {k: float(statistics.median(v)) for k, v in samples.items()}

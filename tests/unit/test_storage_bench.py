@@ -29,6 +29,9 @@ PROMISED = (
     "vs_peer_restore",
     "commit_rss_mb",
     "restore_rss_mb",
+    "incremental_bytes_ratio",
+    "incremental_commit_ratio",
+    "chain_restore_ratio",
 )
 S3_ONLY = ("s3_commit_s", "s3_restore_s", "s3_commit_ratio")
 
@@ -79,7 +82,14 @@ def test_on_disk_every_promised_figure_and_no_s3_figures(tmp_path: pathlib.Path)
     out = _run("--location", str(tmp_path))
     _check_figures(out, PROMISED)
     assert not any(k in out for k in S3_ONLY)
-    assert "mixes.text.commit_ratio" in out["goals"]
+    assert set(out["goals"]) == {
+        "mixes.text.commit_ratio",
+        "incremental_bytes_ratio",
+        "incremental_commit_ratio",
+        "chain_restore_ratio",
+    }
+    # One episode of three changed: about a third of the bytes of a full commit.
+    assert 0.2 < out["incremental_bytes_ratio"] < 0.6
     assert list(tmp_path.iterdir()) == []  # its folder in the location is removed
 
 
