@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,7 +32,7 @@ def test_a_preemption_drain_shows_up_with_its_deadline(nodes: Nodes) -> None:
 
     worker = nodes.ensure_workers()[0]
     # Something on the node, as a Gym host would be (an idle node just goes).
-    busy = (
+    busy: Any = (
         ray.remote(num_cpus=0)(_Busy)
         .options(scheduling_strategy=NodeAffinitySchedulingStrategy(worker, soft=False))
         .remote()
@@ -60,7 +61,7 @@ def test_a_preemption_drain_shows_up_with_its_deadline(nodes: Nodes) -> None:
                 break
             time.sleep(0.1)
             draining = RayDrainSource().draining()
-        assert worker in draining, (draining, [(n["NodeID"], n["Alive"]) for n in ray.nodes()])
+        assert worker in draining, draining
         deadline = draining[worker]
         assert deadline is not None
         assert sent + 29 <= deadline <= time.time() + 31
