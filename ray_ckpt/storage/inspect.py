@@ -1,8 +1,9 @@
 """`ray-ckpt inspect LOCATION`: validate a checkpoint (a directory or an
 object-store URI such as `s3://bucket/run`) without Ray.
 
-`inspect_checkpoint` verifies everything `verify_checkpoint` does and returns
-a flat report (encode it with msgspec for ``--json``); `render_inspect` turns
+`inspect_checkpoint` verifies everything `verify_checkpoint` does (for an
+incremental checkpoint, every frame it references in earlier checkpoints'
+files too) and returns a flat report (encode it with msgspec for ``--json``); `render_inspect` turns
 it into a table for people.
 """
 
@@ -10,12 +11,17 @@ from __future__ import annotations
 
 import io
 import os
+from typing import Any
 
 import msgspec
 from rich.console import Console
 from rich.table import Table
 
+from ray_ckpt.errors import CheckpointError
+from ray_ckpt.storage.blobs import Blobs
 from ray_ckpt.storage.gym_manifest import verify_checkpoint
+from ray_ckpt.storage.locations import open_location
+from ray_ckpt.storage.participant_manifest import load_manifest
 
 
 class InspectRow(msgspec.Struct, frozen=True):
@@ -27,6 +33,9 @@ class InspectRow(msgspec.Struct, frozen=True):
     ok: bool
     listed: bool = True
     error: str | None = None
+    # Incremental: records held in earlier checkpoints' files, and their names.
+    referenced: int = 0
+    references: list[str] = []
 
 
 class InspectReport(msgspec.Struct, frozen=True):
@@ -38,7 +47,8 @@ class InspectReport(msgspec.Struct, frozen=True):
 
 
 def inspect_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> InspectReport:
-    report = verify_checkpoint(checkpoint_dir)
+    blobs = open_location(checkpoint_dir)
+    report = verify_checkpoint(blobs)
     rows = [
         InspectRow(
             kind=c.kind,
@@ -49,6 +59,7 @@ def inspect_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> InspectReport:
             ok=c.ok,
             listed=c.listed,
             error=c.error,
+            **_references(blobs, c.kind, c.instance),
         )
         for c in report.participants
     ]
@@ -59,6 +70,16 @@ def inspect_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> InspectReport:
         rows=rows,
         errors=report.errors,
     )
+
+
+def _references(blobs: Blobs, kind: str, instance: str) -> dict[str, Any]:
+    """What an incremental manifest references (nothing for one unreadable:
+    its row already says why)."""
+    try:
+        m = load_manifest(blobs, kind=kind, instance=instance, checkpoint_id=None)
+    except CheckpointError:
+        return {}
+    return {"referenced": len(m.refs), "references": sorted({r.checkpoint for r in m.refs})}
 
 
 def _size(n: int) -> str:
@@ -73,7 +94,7 @@ def _size(n: int) -> str:
 def render_inspect(report: InspectReport, *, width: int = 120) -> str:
     status = "OK" if report.ok else "INVALID"
     table = Table(title=f"checkpoint {report.checkpoint_id or '?'} in {report.directory}: {status}")
-    for col in ("kind", "instance", "episodes", "size", "digest", "status"):
+    for col in ("kind", "instance", "episodes", "size", "digest", "references", "status"):
         table.add_column(col, justify="right" if col in ("episodes", "size") else "left")
     for r in report.rows:
         table.add_row(
@@ -82,6 +103,7 @@ def render_inspect(report: InspectReport, *, width: int = 120) -> str:
             str(r.episodes),
             _size(r.bytes),
             r.digest[:16],
+            f"{r.referenced} in {', '.join(r.references)}" if r.referenced else "-",
             "OK" if r.ok else f"FAILED: {r.error}",
         )
     out = io.StringIO()

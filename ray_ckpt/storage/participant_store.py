@@ -90,6 +90,7 @@ def write_participant(
     stop: WriteStop | None = None,
     previous: Previous | None = None,
     policy: ChainPolicy | None = None,
+    frame_index: bool = True,
 ) -> ParticipantManifest:
     """Stream the records, then create the manifest; return it.
 
@@ -97,6 +98,9 @@ def write_participant(
     participant's last commit, a sibling under the same root), only records
     that changed are written and the rest referenced (`incremental`); without
     it, or when `policy` calls for a full rewrite, every record is written.
+    `frame_index` records where each frame sits and its sha256 (one more
+    hash pass over the bytes written, on a thread of its own), which a later
+    checkpoint needs to reference them; without it the next one is full.
     An identical recommit returns the existing manifest; a different commit
     into the same place raises `InvalidCheckpointState`.
     """
@@ -135,7 +139,7 @@ def write_participant(
             rkey, before_publish=lambda: publishing.enter_context(stop.publishing())
         ) as up:
             writer = HashingWriter(up.write)
-            index = FrameIndex()
+            index = FrameIndex() if frame_index else None
             try:
                 keys = encode_records(
                     writer,
@@ -146,8 +150,11 @@ def write_participant(
                     encoded=chosen.encoded if chosen is not None else None,
                 )
             finally:
-                digest = writer.close()
-                index.close()
+                try:
+                    digest = writer.close()
+                finally:
+                    if index is not None:
+                        index.close()
         manifest = ParticipantManifest(
             schema_version=SCHEMA_VERSION,
             checkpoint_id=checkpoint_id,
@@ -165,7 +172,9 @@ def write_participant(
                 for (key, offset, length, version), frame_digest in zip(
                     index.spans, index.digests, strict=True
                 )
-            ],
+            ]
+            if index is not None
+            else [],
             refs=[refs[k] for k in sorted(refs)],
             chain_depth=chosen.depth if chosen is not None else 0,
         )

@@ -102,6 +102,8 @@ class FileRecordStore:
                 stop=stop,
                 previous=self._previous(kind, instance),
                 policy=self._policy,
+                # Nothing will reference these frames when every checkpoint is full.
+                frame_index=self._policy.full_every > 1,
             )
         self._last[(kind, instance)] = Previous(location=checkpoint_dir, manifest=manifest)
         return manifest
