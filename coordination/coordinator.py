@@ -30,7 +30,7 @@ from coordination.actor_options import (
     get_or_create_coordinator,
 )
 from coordination.core import CoordinatorCore
-from coordination.hosts import Host, RayPauseTarget
+from coordination.hosts import Host
 from coordination.journal import open_journal
 from coordination.membership import KindMismatch
 from coordination.order import Member
@@ -40,8 +40,16 @@ from coordination.registration import (
     discover_named,
     http_host,
     register_actor,
-    register_host,
     register_named,
+)
+from coordination.registry_memory import (
+    HttpRegistration,
+    PauseRegistration,
+    RegistryKeeper,
+    RegistryMemory,
+    dump_handle,
+    register_http,
+    register_pause,
 )
 from coordination.results import (
     CheckpointResult,
@@ -112,6 +120,10 @@ class Coordinator:
         self.periodic = PeriodicControl(
             self._periodic_checkpoint, self.core.clock, memory, actor_id=_own_id()
         )
+        # HTTP participants and pause targets, kept across a restart.
+        self.registry = RegistryKeeper(
+            RegistryMemory(namespace=namespace, name=_own_name(), actor_id=_own_id())
+        )
         self._recovery: asyncio.Task[str | None] | None = None
         with contextlib.suppress(RuntimeError):  # no loop here: recover on the first call
             self._recovery = asyncio.get_running_loop().create_task(self._recover())
@@ -124,7 +136,10 @@ class Coordinator:
             await self.discover(refresh=refresh)
 
     async def _recover(self) -> str | None:
-        entry = self.core.journal.load()
+        for role, scope in (await self.registry.register_again(self.core)).items():
+            if role == "assembler":
+                self.scope_source = scope
+        entry = await asyncio.to_thread(self.core.journal.load)
         if entry is not None:
             for key, how in entry.members.items():
                 if how.get("transport") == "ray":
@@ -165,8 +180,10 @@ class Coordinator:
         limit: int = 64,
         limit_per_host: int = 8,
     ) -> str:
-        host = http_host(kind, name, url, token, limit=limit, limit_per_host=limit_per_host)
-        return await register_host(self.core, host)
+        reg = HttpRegistration(kind, name, url, token, limit, limit_per_host)
+        key = await register_http(self.core, reg)
+        await self.registry.http(reg)
+        return key
 
     async def discover_http(
         self,
@@ -186,10 +203,16 @@ class Coordinator:
             for kind, name, url in servers
         ]
         registered, skipped = await self.core.discover_http(hosts)
+        for kind, name, url in servers:
+            if f"{kind}/{name}" in registered:
+                await self.registry.http(
+                    HttpRegistration(kind, name, url, token, limit, limit_per_host)
+                )
         return {"registered": registered, "skipped": skipped}
 
     async def unregister(self, key: str) -> None:
         await self.core.drop_host(self.core.unregister(key))
+        await self.registry.drop(key)
 
     async def register_pause(
         self,
@@ -206,20 +229,13 @@ class Coordinator:
         in flight, asked for the scope of a checkpoint that names none."""
         if scope_method is not None and role != "assembler":
             raise InvalidRequest("only the assembler names a scope method")
-        target = RayPauseTarget(
-            role,
-            handle,
-            pause_method=pause_method,
-            resume_method=resume_method,
-            pass_args=pass_args,
+        reg = PauseRegistration(
+            role, dump_handle(handle), pause_method, resume_method, pass_args, mode, scope_method
         )
-        self.core.register_pause(target, mode=mode)
+        scope = register_pause(self.core, reg, handle)
         if role == "assembler":
-            self.scope_source = (
-                AssemblerScope(handle, scope_method, self.core.timeouts.pause_s)
-                if scope_method
-                else None
-            )
+            self.scope_source = scope
+        await self.registry.pause(reg)
 
     async def members(self) -> list[str]:
         await self._ready()
