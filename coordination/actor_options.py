@@ -67,4 +67,5 @@ def get_or_create_coordinator(
         timeouts=timeouts,
         pause_mode=pause_mode,
         auto_discover=auto_discover,
+        detached=detached,
     )

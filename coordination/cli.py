@@ -1,7 +1,8 @@
-"""`ray-ckpt`: status, checkpoint, restore, retire, inspect, list, gc (and the demo).
+"""`ray-ckpt`: status, checkpoint, resume, restore, retire, forget, inspect, list, gc, demo.
 
 Every command that talks to the cluster attaches with `--address` (default
-"auto") and `--namespace`, and gets or creates the namespace's coordinator;
+"auto") and `--namespace`, and gets or creates the namespace's coordinator
+(detached: it outlives the command, `coordination/cli_ops.py`);
 `--json` prints one JSON object on stdout instead of a table.
 """
 
@@ -13,6 +14,7 @@ from typing import Any
 import click
 import msgspec
 
+from coordination.cli_ops import connect_cli, forget, resume
 from coordination.cli_output import clock_time, cluster_options, emit, fail, periodic_line
 from coordination.cli_storage import gc_command, list_command
 from coordination.results import ParticipantStatus
@@ -20,9 +22,7 @@ from ray_ckpt.errors import CheckpointError, InvalidRequest
 
 
 def _connect(address: str, namespace: str) -> Any:
-    from coordination.handle import connect
-
-    return connect(namespace=namespace, address=None if address == "local" else address)
+    return connect_cli(address, namespace)
 
 
 def _location(directory: str) -> None:
@@ -41,6 +41,8 @@ def main() -> None:
 
 main.add_command(list_command)
 main.add_command(gc_command)
+main.add_command(resume)
+main.add_command(forget)
 
 
 @main.command()
@@ -192,9 +194,9 @@ def restore(
 def _checkpointed_episodes(directory: str, without_gym_manifest: bool = False) -> list[str]:
     """Every episode any participant's manifest lists (the default restore scope)."""
     from ray_ckpt.storage import load_manifest, read_gym_manifest
-    from ray_ckpt.storage.gym_manifest import gym_manifest_path, read_participant_manifests
+    from ray_ckpt.storage.gym_manifest import has_gym_manifest, read_participant_manifests
 
-    if gym_manifest_path(directory).exists() or not without_gym_manifest:
+    if not without_gym_manifest or has_gym_manifest(directory):
         gym = read_gym_manifest(directory)
         cid, members = gym.checkpoint_id, [(e.kind, e.instance) for e in gym.participants]
     else:

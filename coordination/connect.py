@@ -8,6 +8,7 @@ re-exports `connect`, its usual import.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from coordination.actor_options import COORDINATOR_NAME, get_or_create_coordinator
@@ -42,6 +43,7 @@ def connect(
         )
     if create:
         actor = _live_coordinator(namespace, name, coordinator_options)
+        _say_if_other_options(actor, namespace, name, coordinator_options)
     else:
         try:
             actor = ray.get_actor(name, namespace=namespace)
@@ -73,3 +75,33 @@ def _live_coordinator(namespace: str, name: str, options: dict[str, Any]) -> Any
 
 
 _CONNECT_TRIES = 40
+
+
+def _say_if_other_options(
+    actor: Any, namespace: str, name: str, asked: dict[str, Any]
+) -> list[str]:
+    """Warn when the coordinator found (not created) runs with other options
+    than the ones asked for: they were not applied, and silently ignoring them
+    would leave e.g. a CLI believing its coordinator outlives it."""
+    import ray
+
+    if not asked:
+        return []
+    have: dict[str, Any] = ray.get(actor.creation_options.remote(), timeout=60)
+    differ = [
+        f"{k}={have.get(k)!r} (asked {_normal(k, v)!r})"
+        for k, v in sorted(asked.items())
+        if k in have and _normal(k, v) != have[k]
+    ]
+    if differ:
+        warnings.warn(
+            f"coordinator {name!r} in namespace {namespace!r} already exists with "
+            f"{', '.join(differ)}; the options asked for were not applied "
+            "(stop it first to start one with them)",
+            stacklevel=3,
+        )
+    return differ
+
+
+def _normal(key: str, value: Any) -> Any:
+    return dict(value or {}) if key == "timeouts" else value

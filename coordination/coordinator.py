@@ -103,10 +103,19 @@ class Coordinator:
         timeouts: dict[str, float] | None = None,
         pause_mode: str = "full",
         auto_discover: bool = True,
+        detached: bool = False,
     ) -> None:
         if not namespace:
             raise InvalidRequest("the coordinator needs an explicit Ray namespace")
         self.namespace = namespace
+        # What it was created with: `connect` says so when asked for others.
+        self.created_with: dict[str, Any] = {
+            "detached": detached,
+            "state_dir": state_dir,
+            "timeouts": dict(timeouts or {}),
+            "pause_mode": pause_mode,
+            "auto_discover": auto_discover,
+        }
         self.auto_discover = auto_discover
         self.core = CoordinatorCore(
             journal=open_journal(state_dir, namespace=namespace, name=_own_name()),
@@ -236,6 +245,9 @@ class Coordinator:
         if role == "assembler":
             self.scope_source = scope
         await self.registry.pause(reg)
+
+    async def creation_options(self) -> dict[str, Any]:
+        return dict(self.created_with)
 
     async def members(self) -> list[str]:
         await self._ready()

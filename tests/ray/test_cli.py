@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -94,12 +95,60 @@ async def test_status_checkpoint_inspect_restore_retire(namespace: str, tmp_path
     finally:
         from coordination.coordinator import COORDINATOR_NAME
 
-        # Each CLI call is its own connect(): the coordinator it made may already
-        # be gone with its last handle (it is not detached).
-        try:
+        # The coordinator the CLI made is detached: it would outlive the session.
+        with contextlib.suppress(ValueError):
             ray.kill(ray.get_actor(COORDINATOR_NAME, namespace=namespace), no_restart=True)
-        except ValueError:
-            pass
         for h in (host, fresh):
             if h is not None:
                 await stop_host(h, timeout_s=5)
+
+
+async def test_keep_open_then_resume_in_another_command_and_forget(
+    namespace: str, tmp_path: Path
+) -> None:
+    """The coordinator a command creates is detached (it outlives the command),
+    so `checkpoint --keep-open` and `resume` are two commands; `forget` frees
+    a rollout ID; asking an existing coordinator for other options says so."""
+    import ray
+
+    from coordination.coordinator import COORDINATOR_NAME
+    from coordination.handle import connect
+
+    ns = ["--namespace", namespace]
+    host = start_host(SPEC, namespace=namespace)
+    try:
+        url = (await host.ready.remote())["url"]
+        async with aiohttp.ClientSession() as http:
+            async with http.put(f"{url}/episodes/e1", json={"next": "tool"}) as resp:
+                assert resp.status == 200
+        code, out = run("checkpoint", str(tmp_path / "open"), "--keep-open", *ns, "--json")
+        assert code == 0, out
+        cid = json.loads(out)["checkpoint_id"]
+        actor = ray.get_actor(COORDINATOR_NAME, namespace=namespace)
+        assert (await actor.creation_options.remote())["detached"] is True
+        code, out = run("status", *ns, "--json")
+        assert json.loads(out)["open_checkpoint"] == cid
+        assert json.loads(out)["participants"][0]["phase"] == "committed"
+
+        code, out = run("resume", *ns)
+        assert code == 0, out
+        assert f"resumed {cid}" in out
+        code, out = run("status", *ns, "--json")
+        assert json.loads(out)["open_checkpoint"] is None
+        assert json.loads(out)["participants"][0]["phase"] == "idle"
+        code, out = run("resume", *ns)
+        assert code == 0
+        assert "nothing to resume" in out
+
+        code, out = run("retire", "e1", "0", *ns, "--json")
+        assert code == 0, out
+        code, out = run("forget", "e1", *ns, "--json")
+        assert code == 0, out
+        assert json.loads(out)["forgotten"] == {"environment/cli": ["e1"]}
+
+        with pytest.warns(UserWarning, match=r"already exists with .*pause_mode='full'"):
+            connect(namespace=namespace, pause_mode="barrier")
+    finally:
+        with contextlib.suppress(ValueError):  # detached: it would outlive the session
+            ray.kill(ray.get_actor(COORDINATOR_NAME, namespace=namespace), no_restart=True)
+        await stop_host(host, timeout_s=5)
