@@ -3,6 +3,8 @@
 Everything goes through a `Blobs` (`blobs.py`) that `open_location` makes from
 a location: an absolute path or `file://` URI (`LocalBlobs`), or `s3://` /
 `gs://` (`ObjectBlobs`, via obstore).  `check_location` probes one up front.
+A participant's checkpoint may reference unchanged records in its previous
+one's files (`incremental`: `Previous`, `ChainPolicy`).
 """
 
 from ray_ckpt.storage.blobs import BlobInfo, BlobMissing, Blobs, is_temp
@@ -16,6 +18,7 @@ from ray_ckpt.storage.gym_manifest import (
     verify_checkpoint,
     write_gym_manifest,
 )
+from ray_ckpt.storage.incremental import ChainPolicy, Previous
 from ray_ckpt.storage.local_blobs import LocalBlobs
 from ray_ckpt.storage.locations import check_location, open_location
 from ray_ckpt.storage.participant_store import (
@@ -32,12 +35,14 @@ __all__ = [
     "BlobInfo",
     "BlobMissing",
     "Blobs",
+    "ChainPolicy",
     "CheckpointReport",
     "GymEntry",
     "GymManifest",
     "LocalBlobs",
     "ParticipantCheck",
     "ParticipantManifest",
+    "Previous",
     "WriteStop",
     "check_location",
     "is_temp",

@@ -15,6 +15,8 @@ from typing import Any, Protocol
 from ray_ckpt.storage.location import directory_errors
 from ray_ckpt.storage.record import Record
 
+_KEEP = 2  # commits remembered per participant as incremental bases
+
 
 class StopHandle(Protocol):
     def stop(self) -> None: ...
@@ -69,7 +71,10 @@ class FileRecordStore:
     def __init__(self, *, full_every: int = 8, min_live_fraction: float = 0.5) -> None:
         self._policy: Any = None  # built at the first write: storage is imported lazily
         self._bounds = (full_every, min_live_fraction)
-        self._last: dict[tuple[str, str], Any] = {}  # (kind, instance) -> Previous
+        # (kind, instance) -> its last `_KEEP` commits through this store, newest
+        # first: after a checkpoint that never completed, the one before it
+        # is still a base, so an aborted checkpoint does not force a full one.
+        self._last: dict[tuple[str, str], list[Any]] = {}
 
     def new_stop(self) -> StopHandle:
         from ray_ckpt.storage import WriteStop
@@ -100,30 +105,33 @@ class FileRecordStore:
                 checkpoint_id=checkpoint_id,
                 records=records,
                 stop=stop,
-                previous=self._previous(kind, instance),
+                # Every checkpoint full: no previous one to compare with.
+                previous=self._previous(kind, instance) if self._policy.full_every > 1 else None,
                 policy=self._policy,
                 # Nothing will reference these frames when every checkpoint is full.
                 frame_index=self._policy.full_every > 1,
             )
-        self._last[(kind, instance)] = Previous(location=checkpoint_dir, manifest=manifest)
+        mine = [Previous(location=checkpoint_dir, manifest=manifest)]
+        mine += [p for p in self._last.get((kind, instance), []) if p.location != checkpoint_dir]
+        self._last[(kind, instance)] = mine[:_KEEP]
         return manifest
 
     def _previous(self, kind: str, instance: str) -> Any:
-        """The last commit through this store if its checkpoint completed with it."""
+        """The newest commit through this store whose checkpoint completed with it."""
         from ray_ckpt.errors import CheckpointError
         from ray_ckpt.storage import open_location, read_gym_manifest
         from ray_ckpt.storage.gym_manifest import listed_manifest
 
-        prev = self._last.get((kind, instance))
-        if prev is None:
-            return None
-        try:
-            blobs = open_location(prev.location)
-            gym = read_gym_manifest(blobs)
-            listed = listed_manifest(blobs, gym, gym.entry(kind, instance))
-        except CheckpointError:
-            return None  # incomplete, gone or unreadable: write a full one
-        return prev if listed == prev.manifest else None
+        for prev in self._last.get((kind, instance), []):
+            try:
+                blobs = open_location(prev.location)
+                gym = read_gym_manifest(blobs)
+                listed = listed_manifest(blobs, gym, gym.entry(kind, instance))
+            except CheckpointError:
+                continue  # incomplete, gone or unreadable: not a base
+            if listed == prev.manifest:
+                return prev
+        return None  # none: write a full one
 
     def read(
         self,

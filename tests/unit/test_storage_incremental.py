@@ -276,8 +276,13 @@ def test_the_store_references_its_last_complete_commit_only(root: str) -> None:
 
     assert not commit("ck-0", 0).refs
     assert len(commit("ck-1", 1, gym=False).refs) == 19
-    assert not commit("ck-2", 2).refs  # ck-1 never completed: a full one
-    assert len(commit("ck-3", 3).refs) == 19
+    # ck-1 never completed: the one before it is the base.
+    assert {r.checkpoint for r in commit("ck-2", 2).refs} == {"ck-0"}
+    assert len(commit("ck-3", 3, gym=False).refs) == 19
+    assert len(commit("ck-4", 4, gym=False).refs) == 19
+    # Neither remembered commit completed: a full one.
+    assert not commit("ck-5", 5).refs
+    assert {r.checkpoint for r in commit("ck-6", 6).refs} == {"ck-5"}
 
 
 def test_full_every_one_turns_references_off(root: str) -> None:
@@ -327,3 +332,18 @@ def test_inspect_follows_references(root: str) -> None:
 
 
 FRAME_HEAD = 10  # inside the frame header + key: any byte of the frame is covered
+
+
+def test_a_manifest_of_the_old_shape_reads_and_is_never_a_base(root: str) -> None:
+    import msgspec
+
+    where = join_location(root, "ck-0")
+    records = [rec(i, 0) for i in range(5)]
+    m = write_participant(
+        where, kind=KIND, instance=INST, checkpoint_id="c0", records=records, frame_index=False
+    )
+    raw = msgspec.json.decode(open_location(where).read(f"{PKEY}/manifest.json"))
+    assert not {"frames", "refs", "chain_depth"} & set(raw)  # byte-for-byte the old shape
+    old = Step(where, m, records)
+    assert restored(old) == expected(old)
+    assert not write(root, "ck-1", records, old).manifest.refs
