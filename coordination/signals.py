@@ -48,6 +48,7 @@ import msgspec
 
 from coordination.periodic import DEFAULT_PREFIX, checkpoint_name, episode_list, error_body
 from ray_ckpt.errors import DeadlineExceeded, InvalidRequest
+from ray_ckpt.storage.locations import open_location
 from ray_ckpt.storage.pointer import join_location
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,7 @@ class SignalCheckpointing:
     ) -> None:
         if not isinstance(root, str) or not root:
             raise InvalidRequest(f"root must be a location, not {root!r}")
+        open_location(root)  # touches nothing; a relative path or unknown scheme is refused
         if isinstance(grace_s, bool) or not isinstance(grace_s, int | float):
             raise InvalidRequest(f"grace_s must be a number of seconds, not {grace_s!r}")
         if not math.isfinite(grace_s) or grace_s <= 0:

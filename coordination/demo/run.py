@@ -252,6 +252,8 @@ def demo_cli(as_json: bool, namespace: str | None, **kwargs: Any) -> None:
         raise click.UsageError(
             "--until-signal and --resume need --checkpoint-dir (the root) and no --kill-node"
         )
+    if preempt:
+        _check_root(str(opts.checkpoint_dir), write=opts.until_signal)
     ui = Ui(stderr=True)
     local = start_ray(opts.address, opts.namespace, opts.nodes)
     if preempt:
@@ -269,6 +271,17 @@ def demo_cli(as_json: bool, namespace: str | None, **kwargs: Any) -> None:
     finally:
         local.stop()
     sys.exit(finish(report, ui, as_json=as_json))
+
+
+def _check_root(root: str, *, write: bool) -> None:
+    """A root that cannot be used is refused before Ray starts (nothing changes)."""
+    from ray_ckpt.errors import CheckpointError
+    from ray_ckpt.storage.locations import check_location
+
+    try:
+        check_location(root, for_write=write)
+    except CheckpointError as exc:
+        raise click.UsageError(f"--checkpoint-dir: {exc}") from None
 
 
 def finish(report: DemoReport, ui: Ui, *, as_json: bool) -> int:

@@ -62,11 +62,20 @@ def test_budget_fits_the_grace_left() -> None:
 
 @pytest.mark.parametrize(
     "kw",
-    [{"signals": [signal.SIGKILL]}, {"signals": []}, {"grace_s": 0}, {"grace_s": float("nan")}],
+    [
+        {"signals": [signal.SIGKILL]},
+        {"signals": []},
+        {"grace_s": 0},
+        {"grace_s": float("nan")},
+        {"root": "relative/root"},
+        {"root": "ftp://host/root"},
+    ],
 )
 def test_bad_settings_are_invalid_requests(kw: dict[str, Any]) -> None:
+    before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(InvalidRequest):
-        SignalCheckpointing(StandIn(), "/tmp/root", **kw)
+        SignalCheckpointing(StandIn(), **{"root": "/tmp/root", **kw}).install()
+    assert signal.getsignal(signal.SIGTERM) is before  # nothing installed
 
 
 async def test_sigusr1_checkpoints_continues_and_restores_the_handler() -> None:
@@ -200,3 +209,21 @@ def test_sigterm_checkpoints_then_the_process_dies_of_it(tmp_path: Path, mode: s
     assert proc.returncode == -signal.SIGTERM  # the default action, after the checkpoint
     assert "not stopped" not in out
     assert marker.read_text().endswith("-sigterm stop=True resume=False")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--until-signal"],  # no root
+        ["--until-signal", "--checkpoint-dir", "relative/root"],
+        ["--resume", "latest", "--checkpoint-dir", "/nonexistent/ray-ckpt-root"],
+        ["--until-signal", "--checkpoint-dir", "/tmp/x", "--grace", "0"],
+    ],
+)
+def test_the_demo_refuses_a_bad_root_or_budget_before_ray_starts(args: list[str]) -> None:
+    from coordination.demo.run import demo_command_main
+
+    assert demo_command_main(args) == 2  # a usage error; no Ray was started
+    import ray
+
+    assert not ray.is_initialized()
