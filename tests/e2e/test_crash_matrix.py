@@ -72,6 +72,7 @@ from ray_ckpt.hosting.spec import import_factory
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage import load_manifest, verify_checkpoint
 from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.seam import FileRecordStore
 from tests.e2e.conftest import (
     E2E,
     assert_clean,
@@ -162,8 +163,13 @@ def stalling_server(
 
     def attach_stalling(controller: Any) -> None:
         attach(controller)
+        # Every write in full: an incremental one decides what changed before
+        # its records file opens, and the hold must find that file open.
         controller.store = StallingStore(
-            controller.store, gate=stall_gate, write_dir=stall_write_dir, read=stall_read
+            FileRecordStore(full_every=1),
+            gate=stall_gate,
+            write_dir=stall_write_dir,
+            read=stall_read,
         )
 
     server.attach = attach_stalling
@@ -313,7 +319,8 @@ async def kinds_in(fleet: Fleet, kinds: Iterable[str], phase: str) -> bool:
 
 def stalled_write(ckpt: str, kind: str) -> list[Path]:
     """The temporary records files of `kind` under `ckpt` (a write under way)."""
-    return sorted(Path(ckpt).glob(f"gym/{kind}/*/.records.*.tmp"))
+    # `.records-<token>.msgpack.<uuid>.tmp` (and the older `.records.<uuid>.tmp`).
+    return sorted(Path(ckpt).glob(f"gym/{kind}/*/.records*.tmp"))
 
 
 def failed_by(info: pytest.ExceptionInfo[CoordinationFailed], name: str) -> None:
