@@ -129,6 +129,7 @@ def plan(
     records: Sequence[Record],
     previous: Previous | None,
     policy: ChainPolicy,
+    stop: WriteStop,
 ) -> Plan | None:
     """What to reference instead of writing, or None for a full checkpoint."""
     if previous is None:
@@ -151,6 +152,7 @@ def plan(
     encoded: dict[str, bytes] = {}
     encoder = StateEncoder()
     for rec in records:
+        stop.check()  # the digest path encodes every state: a stop must not wait for it
         cand = known.get(rec.key)
         if cand is None:
             continue

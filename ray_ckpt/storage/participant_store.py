@@ -127,6 +127,7 @@ def write_participant(
             records=records,
             previous=previous,
             policy=policy or ChainPolicy(),
+            stop=stop,
         )
     refs = chosen.refs if chosen is not None else {}
     records_file = f"records-{uuid.uuid4().hex}.msgpack"
