@@ -63,6 +63,7 @@ def write(
     previous: Step | None = None,
     policy: ChainPolicy | None = None,
     gym: bool = True,
+    stop: Any = None,
 ) -> Step:
     where = join_location(root, name)
     m = write_participant(
@@ -73,6 +74,7 @@ def write(
         records=records,
         previous=Previous(previous.location, previous.manifest) if previous else None,
         policy=policy,
+        stop=stop,
     )
     if gym:
         write_gym_manifest(where, checkpoint_id=f"c-{name}", manifests=[m])
@@ -347,3 +349,25 @@ def test_a_manifest_of_the_old_shape_reads_and_is_never_a_base(root: str) -> Non
     old = Step(where, m, records)
     assert restored(old) == expected(old)
     assert not write(root, "ck-1", records, old).manifest.refs
+
+
+def test_a_stop_during_the_change_check_publishes_nothing(
+    root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ray_ckpt.storage import WriteStop, incremental
+
+    (full,) = chain(root, 1, versioned=False)
+    stop = WriteStop()
+    real = incremental.StateEncoder.append
+    seen: list[str] = []
+
+    def append(self: Any, buf: bytearray, key: str, state: Any) -> None:
+        seen.append(key)
+        stop.stop()  # a resume arrives while the first state is compared
+        real(self, buf, key, state)
+
+    monkeypatch.setattr(incremental.StateEncoder, "append", append)
+    with pytest.raises(InvalidCheckpointState, match="write stopped"):
+        write(root, "ck-1", full.records, full, stop=stop)
+    assert seen == ["r000"]  # the check stopped at the next record, not after all of them
+    assert not open_location(root).list("ck-1")
