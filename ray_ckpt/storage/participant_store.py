@@ -22,6 +22,11 @@ How the disk steps map onto an object store (the `Blobs` backends keep them):
 
 Reads verify the digest, size and count over the whole object in one
 streaming pass and decode only the records the caller keeps.
+
+Incremental (`incremental`, `referenced`): given the previous commit, the
+records object holds only the changed records and the manifest references
+the rest in earlier records objects; a read verifies those frames too, and
+returns nothing unless all of them pass.
 """
 
 from __future__ import annotations

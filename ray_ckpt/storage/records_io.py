@@ -4,6 +4,8 @@ Encoding runs on the caller's thread while `HashingWriter` hashes and writes
 (or uploads) the previous chunk; parsing runs while `HashingReader` fetches
 and hashes the next.  Neither decides anything about the manifest: the
 caller compares digest, size and count once the whole stream has passed.
+`FrameIndex` notes where each written frame sits and hashes it on its own
+thread, so a later incremental checkpoint can reference it.
 """
 
 from __future__ import annotations
