@@ -33,7 +33,7 @@ import msgspec
 
 from coordination.demo.nodes import LocalRay
 from coordination.demo.report import Ui
-from coordination.demo.scenario import Rollouts, restore_latest_and_continue, uninterrupted
+from coordination.demo.scenario import Rollouts, resume_stopped_run, uninterrupted
 from coordination.signals import STOP_SIGNALS, SignalCheckpoint, SignalCheckpointing
 from participants.fleet import launch_fleet
 from participants.rollout import result_digest
@@ -91,13 +91,14 @@ async def run_preempt(opts: Any, ui: Ui, local: LocalRay) -> tuple[dict[str, Any
     root: str = opts.checkpoint_dir
     out: dict[str, Any] = {"nodes": local.nodes, "checkpoint_root": root}
     state: DriverState | None = None
+    picked = ""
     expected: dict[str, str] = {}
     rollouts = Rollouts.make(opts.rollouts, opts.steps, opts.seed)
     if opts.resume:
-        handle = connect(namespace=opts.namespace, address=opts.address)
         # The seeds are the interrupted run's: read them before anything runs.
         picked = await asyncio.to_thread(_latest_location, root)
         state = await asyncio.to_thread(read_driver_state, picked)
+        handle = connect(namespace=opts.namespace, address=opts.address)
         rollouts = Rollouts.make(state.rollouts, state.steps, state.seed)
         base = Rollouts.make(state.rollouts, state.steps, state.seed)
         with ui.phase("uninterrupted run", total=state.rollouts):
@@ -119,9 +120,9 @@ async def run_preempt(opts: Any, ui: Ui, local: LocalRay) -> tuple[dict[str, Any
         async with data_session(1024, 512) as session:
             env = fleet.urls["environment"]
             if state is not None:
-                cont = await restore_latest_and_continue(
-                    handle, session, env, root, state, rollouts
-                )
+                # The checkpoint the driver's state was read from, not
+                # `latest` asked again: the two must be one point in time.
+                cont = await resume_stopped_run(handle, session, env, picked, state, rollouts)
                 out.update(
                     resumed_from=cont.checkpoint_dir,
                     resumed_checkpoint_id=cont.checkpoint_id,

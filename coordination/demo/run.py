@@ -258,9 +258,13 @@ def demo_cli(as_json: bool, namespace: str | None, **kwargs: Any) -> None:
     local = start_ray(opts.address, opts.namespace, opts.nodes)
     if preempt:
         from coordination.demo.preempt import run_preempt
+        from ray_ckpt.errors import CheckpointError
 
         try:
             summary, status = asyncio.run(run_preempt(opts, ui, local))
+        except CheckpointError as exc:  # e.g. no checkpoint of ours under the root
+            summary, status = {"ok": False, "error": {"code": exc.code, "detail": exc.detail}}, 1
+            sys.stderr.write(f"demo failed: {exc}\n")
         finally:
             local.stop()
         if as_json:

@@ -213,7 +213,7 @@ async def crash(fleet: Fleet, rollouts: Rollouts) -> None:
 
 @dataclass
 class Resumed:
-    """What `restore(root, "latest")` made of a stopped run's rollouts."""
+    """What a restore made of a stopped run's rollouts."""
 
     checkpoint_dir: str
     checkpoint_id: str
@@ -221,19 +221,19 @@ class Resumed:
     restarted: list[str]
 
 
-async def restore_latest_and_continue(
+async def resume_stopped_run(
     handle: Any,
     session: aiohttp.ClientSession,
     env_url: str,
-    root: str,
+    location: str,
     state: Any,
     rollouts: Rollouts,
 ) -> Resumed:
-    """Restore every episode of the checkpoint `latest` picks under `root`
-    into the (fresh) fleet and start attempt + 1 of each rollout the stopped
-    driver had not finished (`state`: its results and attempts then): from
+    """Restore every episode the checkpoint at `location` lists into the
+    (fresh) fleet and start attempt + 1 of each rollout the stopped driver had
+    not finished (`state`: its results and attempts at that checkpoint): from
     the restored boundary when the environment installed one, else over."""
-    result = await handle.arestore(root, "latest")
+    result = await handle.arestore(location)
     rollouts.results.update(state.results)
     rollouts.attempts.update(state.attempts)
     env_keys = {
