@@ -50,14 +50,15 @@ _ALLOWED = _SCALARS | {list, dict}
 _STR = frozenset({str})
 
 
-class Record(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+class Record(msgspec.Struct, frozen=True, array_like=True):
     """One exported episode attempt (`key` is its capture key).
 
     `version` is optional: a string the exporter changes whenever the state
     changes (e.g. the episode's boundary sequence number).  An incremental
     checkpoint references an unchanged record by it without encoding the
     state; the exporter vouches that an equal version means an equal state.
-    Omitted from the wire form when None, so older peers see the same shape."""
+    The records file never holds it (only the manifest's frame index does),
+    so the records format is unchanged."""
 
     key: str
     state: Any = None
