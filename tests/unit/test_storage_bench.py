@@ -34,6 +34,8 @@ PROMISED = (
     "chain_restore_ratio",
 )
 S3_ONLY = ("s3_commit_s", "s3_restore_s", "s3_commit_ratio")
+# The top level is a contract: the keys it always had, plus exactly the new ones.
+TOP_LEVEL = {*PROMISED, "check_s", "state_mb", "mixes", "warnings", "goals"}
 
 
 def _run(*extra: str) -> dict[str, Any]:
@@ -60,6 +62,7 @@ def _run(*extra: str) -> dict[str, Any]:
 
 
 def _check_figures(out: dict[str, Any], keys: tuple[str, ...]) -> None:
+    assert set(out) == TOP_LEVEL | set(keys)
     assert (out["sessions"], out["kb"]) == (3, 2)
     for key in keys:
         assert isinstance(out[key], int | float), key
@@ -138,7 +141,7 @@ def test_a_beaten_floor_exits_nonzero_unless_allowed(
 
     out = _result(commit_s=0.5, raw_write_s=1.0)
     out.update(sessions=1, kb=1, warnings=beaten_floors(out), goals={})
-    monkeypatch.setattr(bench, "measure", lambda args, location: out)
+    monkeypatch.setattr(bench, "measure", lambda args, location: (out, {}))
     assert bench.main(["--json"]) == bench.BEATEN_FLOOR_EXIT
     assert "beaten floor: commit_ratio" in capsys.readouterr().err
     assert bench.main(["--json", "--allow-beaten-floor"]) == 0
