@@ -65,7 +65,11 @@ from storage_data import MIXES, build
 from storage_report import DETAIL, SUMMED, beaten_floors, goals, ratios, table
 from storage_run import Location, run_mix
 
+from ray_ckpt.errors import CheckpointError
+from ray_ckpt.storage import check_location
+
 BEATEN_FLOOR_EXIT = 3
+BAD_LOCATION_EXIT = 2  # as argparse's usage errors
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -134,7 +138,13 @@ def main(argv: list[str] | None = None) -> int:
             location = args.location
         else:
             location = stack.enter_context(tempfile.TemporaryDirectory(prefix="ray-ckpt-bench-"))
-        out, detail = measure(args, location)
+        try:
+            # Probed before anything is built, so a bad location costs nothing.
+            check_location(location, for_write=True)
+            out, detail = measure(args, location)
+        except CheckpointError as exc:
+            print(f"storage benchmark: {exc.detail}", file=sys.stderr)
+            return BAD_LOCATION_EXIT
     shown = {"location": location, "reps": args.reps, **detail, **out}
     if args.json:
         print(json.dumps(_round(out)))

@@ -103,6 +103,20 @@ def test_on_local_s3_adds_the_s3_figures() -> None:
     assert out["goals"]["s3_commit_ratio"]["goal"] == 1.5
 
 
+@pytest.mark.parametrize("location", ["relative/dir", "ftp://host/x"])
+def test_a_location_it_cannot_use_is_refused_naming_it(location: str) -> None:
+    run = subprocess.run(
+        [sys.executable, str(BENCH), "--sessions", "1", "--kb", "1", "--location", location],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2
+    assert location in run.stderr
+    assert "Traceback" not in run.stderr
+    assert run.stdout == ""
+
+
 @pytest.fixture
 def bench(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.syspath_prepend(str(BENCHMARKS))
