@@ -1,6 +1,6 @@
 """A throwaway S3 endpoint on 127.0.0.1 for `storage.py --local-s3`: moto's server.
 
-The same kind of endpoint the storage tests use (`tests/s3_server.py`): its
+The storage tests' endpoint too (`tests/s3_server.py` uses `moto_endpoint`): its
 own `python -m moto.server` process on a free loopback port, so uploads are
 served off the benchmark's GIL, with the environment obstore reads
 (`AWS_ENDPOINT_URL`, test keys, region, `AWS_ALLOW_HTTP`) pointed at it for
@@ -40,16 +40,17 @@ def _wait_ready(proc: subprocess.Popen[bytes], port: int, timeout_s: float = 30.
     raise RuntimeError("moto server did not start within 30 s")
 
 
-def _create_bucket(url: str) -> None:
+def _create_bucket(url: str, bucket: str) -> None:
     # obstore cannot create buckets; boto3 comes with moto[server].
     import boto3  # type: ignore[import-untyped]
 
-    boto3.client("s3", endpoint_url=url).create_bucket(Bucket=BUCKET)
+    boto3.client("s3", endpoint_url=url).create_bucket(Bucket=bucket)
 
 
 @contextlib.contextmanager
-def local_s3() -> Iterator[str]:
-    """Start the endpoint, yield `s3://<bucket>` on it, stop it and restore the env."""
+def moto_endpoint(bucket: str) -> Iterator[tuple[str, dict[str, str]]]:
+    """Start moto's server with `bucket` on it; yield (URL, the env obstore
+    reads), set in `os.environ` for the block; stop it and restore the env."""
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
@@ -69,8 +70,8 @@ def local_s3() -> Iterator[str]:
     try:
         _wait_ready(proc, port)
         os.environ.update(env)
-        _create_bucket(url)
-        yield f"s3://{BUCKET}"
+        _create_bucket(url, bucket)
+        yield url, env
     finally:
         for k, v in saved.items():
             if v is None:
@@ -83,3 +84,10 @@ def local_s3() -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextlib.contextmanager
+def local_s3() -> Iterator[str]:
+    """Start the endpoint, yield `s3://<bucket>` on it, stop it and restore the env."""
+    with moto_endpoint(BUCKET):
+        yield f"s3://{BUCKET}"
