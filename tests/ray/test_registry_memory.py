@@ -11,6 +11,7 @@ created anew under the same name (a later job) starts empty.
 from __future__ import annotations
 
 import asyncio
+import os
 import pathlib
 import time
 from typing import Any
@@ -38,16 +39,29 @@ def pauses(actor: Any) -> int:
     return sum(1 for e in ray.get(actor.log.remote()) if e[0] == "pause")
 
 
-def wait_restarted(gym: Any, timeout_s: float = 60.0) -> None:
+def _pid(_self: Any) -> int:
+    return os.getpid()
+
+
+def pid_of(actor: Any) -> int:
+    return int(ray.get(actor.__ray_call__.remote(_pid), timeout=30))
+
+
+def wait_restarted(gym: Any, old_pid: int, timeout_s: float = 60.0) -> None:
+    """Until a new process answers (a call right after the kill may still
+    reach the old one) and has recovered."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            gym.ping()
-            return
+            if pid_of(gym.actor) != old_pid:
+                gym.ping()
+                return
         except Exception:
             if time.monotonic() > deadline:
                 raise
-            time.sleep(0.2)
+        if time.monotonic() > deadline:
+            raise AssertionError("the coordinator was not restarted")
+        time.sleep(0.2)
 
 
 def test_http_members_and_pause_targets_survive_a_coordinator_restart(
@@ -75,8 +89,9 @@ def test_http_members_and_pause_targets_survive_a_coordinator_restart(
         gym.checkpoint(str(tmp_path / "c1"))
         assert (pauses(trainer), pauses(assembler)) == (1, 1)
 
+        old_pid = pid_of(gym.actor)
         ray.kill(gym.actor, no_restart=False)  # Ray restarts it: __init__ runs again
-        wait_restarted(gym)
+        wait_restarted(gym, old_pid)
         assert [p.participant for p in gym.status().participants] == ["resources/far"]
         result = gym.checkpoint(str(tmp_path / "c2"))
         assert set(result.episode_ids) == {"resources/far"}
