@@ -53,6 +53,27 @@ KV_NAMESPACE = "ray-ckpt"  # the GCS KV namespace every journal key lives in
 GCS = "gcs"  # `state_dir` naming the GCS KV store explicitly
 
 
+def kv_put(key: bytes, data: bytes) -> None:
+    """One value in Ray's GCS KV store (the journal, the periodic loop's and
+    the registrations' keys all go through these three)."""
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(key, data, overwrite=True, namespace=KV_NAMESPACE)
+
+
+def kv_get(key: bytes) -> bytes | None:
+    from ray.experimental import internal_kv
+
+    data: bytes | None = internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE)
+    return data
+
+
+def kv_del(key: bytes) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_del(key, namespace=KV_NAMESPACE)
+
+
 class JournalStore(Protocol):
     def record(self, entry: JournalEntry) -> None: ...
 
@@ -101,20 +122,13 @@ class KvJournal:
         self.write(encode(entry))
 
     def write(self, data: bytes) -> None:
-        from ray.experimental import internal_kv
-
-        internal_kv._internal_kv_put(self.key, data, overwrite=True, namespace=KV_NAMESPACE)
+        kv_put(self.key, data)
 
     def load(self) -> JournalEntry | None:
-        from ray.experimental import internal_kv
-
-        data = internal_kv._internal_kv_get(self.key, namespace=KV_NAMESPACE)
-        return _decode(data)
+        return _decode(kv_get(self.key))
 
     def clear(self) -> None:
-        from ray.experimental import internal_kv
-
-        internal_kv._internal_kv_del(self.key, namespace=KV_NAMESPACE)
+        kv_del(self.key)
 
 
 class Journal:

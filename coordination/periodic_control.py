@@ -22,7 +22,7 @@ import os
 
 import msgspec
 
-from coordination.journal import GCS, KV_NAMESPACE
+from coordination.journal import GCS, kv_del, kv_get, kv_put
 from coordination.periodic import DEFAULT_PREFIX, Checkpoint, PeriodicRunner
 from coordination.results import PeriodicStatus
 from coordination.roots import retain, writable
@@ -59,17 +59,13 @@ class PeriodicMemory:
     def save(self, config: PeriodicConfig) -> None:
         data = msgspec.json.encode(config)
         if self.state_dir is None:
-            from ray.experimental import internal_kv
-
-            internal_kv._internal_kv_put(self.key, data, overwrite=True, namespace=KV_NAMESPACE)
+            kv_put(self.key, data)
         else:
             open_location(self.state_dir).replace(MEMORY_NAME, data)
 
     def load(self) -> PeriodicConfig | None:
         if self.state_dir is None:
-            from ray.experimental import internal_kv
-
-            data = internal_kv._internal_kv_get(self.key, namespace=KV_NAMESPACE)
+            data = kv_get(self.key)
         else:
             try:
                 data = open_location(self.state_dir).read(MEMORY_NAME)
@@ -85,9 +81,7 @@ class PeriodicMemory:
 
     def clear(self) -> None:
         if self.state_dir is None:
-            from ray.experimental import internal_kv
-
-            internal_kv._internal_kv_del(self.key, namespace=KV_NAMESPACE)
+            kv_del(self.key)
         else:
             open_location(self.state_dir).delete([MEMORY_NAME])
 

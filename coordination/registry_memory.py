@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from coordination.hosts import RayPauseTarget
-from coordination.journal import KV_NAMESPACE
+from coordination.journal import kv_del, kv_get, kv_put
 from coordination.periodic import AssemblerScope
 from coordination.registration import http_host, register_host
 
@@ -89,19 +89,14 @@ class RegistryMemory:
     def save(self, registrations: Registrations) -> None:
         if not self._enabled():
             return
-        from ray.experimental import internal_kv
-
-        data = msgspec.json.encode(registrations)
-        internal_kv._internal_kv_put(self.key, data, overwrite=True, namespace=KV_NAMESPACE)
+        kv_put(self.key, msgspec.json.encode(registrations))
 
     def load(self) -> Registrations:
         """This actor's registrations from before a restart (another actor's: none)."""
         empty = Registrations(actor_id=self.actor_id)
         if not self._enabled():
             return empty
-        from ray.experimental import internal_kv
-
-        data = internal_kv._internal_kv_get(self.key, namespace=KV_NAMESPACE)
+        data = kv_get(self.key)
         if data is None:
             return empty
         try:
@@ -111,7 +106,7 @@ class RegistryMemory:
             return empty
         if found.actor_id != self.actor_id:
             log.warning("forgot the registrations of another coordinator under this name")
-            internal_kv._internal_kv_del(self.key, namespace=KV_NAMESPACE)
+            kv_del(self.key)
             return empty
         return found
 

@@ -20,7 +20,7 @@ import pytest
 
 from coordination.actor_options import default_state_dir
 from coordination.demo.run import node_of
-from coordination.journal import KV_NAMESPACE, kv_key
+from coordination.journal import kv_get, kv_key
 from participants.fleet import KIND_ORDER, launch_fleet
 from ray_ckpt.control.client import data_session
 from ray_ckpt.storage import verify_checkpoint
@@ -41,12 +41,7 @@ LEASE_GRACE_S = 120.0  # far longer than the test: a lapse cannot be what resume
 
 
 def journal_in_gcs(namespace: str) -> bytes | None:
-    from ray.experimental import internal_kv
-
-    value: bytes | None = internal_kv._internal_kv_get(
-        kv_key(namespace, COORDINATOR), namespace=KV_NAMESPACE
-    )
-    return value
+    return kv_get(kv_key(namespace, COORDINATOR))
 
 
 def no_file_journal(namespace: str) -> bool:
