@@ -97,8 +97,14 @@ async def commit(
     stop: bool = False,
     strict: bool = False,
     deadline_s: float | None = None,
+    publish_by: float | None = None,
 ) -> CommitResult:
-    """Commit the prepared checkpoint everywhere, then the Gym manifest (lock held)."""
+    """Commit the prepared checkpoint everywhere, then the Gym manifest (lock held).
+
+    `publish_by` (the clock's time): the latest the Gym manifest may start
+    being written.  Past it the checkpoint fails whole (`DeadlineExceeded`,
+    records left unpublished, everyone resumed), so a checkpoint bounded by
+    a grace budget never becomes `latest` after the caller gave up on it."""
     entry = driver.open
     if entry is None or entry.op != "checkpoint" or entry.phase not in ("prepared", "committing"):
         raise CheckpointConflict("no prepared checkpoint is open: prepare first")
@@ -110,6 +116,8 @@ async def commit(
     start = time.monotonic()
     deadline_s = driver.timeouts.commit_s if deadline_s is None else deadline_s
     deadline_ts = driver.clock.now() + deadline_s
+    if publish_by is not None:
+        deadline_ts = min(deadline_ts, publish_by)
     async with driver._aborting(cid):
         await driver._record(
             JournalEntry(
@@ -145,6 +153,13 @@ async def commit(
                 f"{restart}; they would start over"
             )
         manifests = [dict(as_mapping(r.get("manifest"))) for _, r in sorted(out.replies.items())]
+        late = None if publish_by is None else driver.clock.now() - publish_by
+        if late is not None and late > 0:
+            late_err = DeadlineExceeded(
+                f"checkpoint {cid} not ready to publish inside its overall deadline "
+                f"({late:.2f}s late); its records stay unpublished"
+            )
+            raise coordination_failed("commit", cid, {"gym-manifest": failure(late_err)})
         m_start = time.monotonic()
         try:
             # Last of all: the Gym manifest is the commit point of the whole checkpoint.

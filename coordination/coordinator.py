@@ -301,6 +301,7 @@ class Coordinator:
         prepare_s: float | None = None,
         commit_s: float | None = None,
         strict: bool = False,
+        total_s: float | None = None,
     ) -> CheckpointResult:
         await self._ready(discover=True)
         # Before anyone is paused: a location that cannot be written is refused
@@ -316,6 +317,7 @@ class Coordinator:
             prepare_s=prepare_s,
             commit_s=commit_s,
             scope_source=self.scope_source,
+            total_s=total_s,
         )
 
     async def restore(

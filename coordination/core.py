@@ -39,7 +39,7 @@ from coordination.results import (
 )
 from coordination.roots import write_gym_manifest_and_latest
 from coordination.status import participant_rows
-from ray_ckpt.errors import CheckpointError, InvalidPhase, InvalidRequest
+from ray_ckpt.errors import CheckpointError, DeadlineExceeded, InvalidPhase, InvalidRequest
 from ray_ckpt.identity import EpisodeId
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,13 @@ class CoordinatorCore(PhaseDriver):
                 checkpoint_dir, scope, stop=stop, strict=strict, deadline_s=deadline_s
             )
 
+    def _fit(self, asked: float | None, default: float, publish_by: float) -> float:
+        """A phase deadline cut to what is left before `publish_by`."""
+        left = publish_by - self.clock.now()
+        if left <= 0:
+            raise DeadlineExceeded("the checkpoint's overall deadline passed before it began")
+        return min(default if asked is None else asked, left)
+
     async def resume(self, deadline_s: float | None = None) -> ResumeResult:
         """Close (or abort) the open checkpoint; idempotent."""
         async with self.lock:
@@ -111,18 +118,35 @@ class CoordinatorCore(PhaseDriver):
         prepare_s: float | None = None,
         commit_s: float | None = None,
         scope_source: ScopeSource | None = None,
+        total_s: float | None = None,
     ) -> CheckpointResult:
         """prepare → commit → Gym manifest → resume (unless kept open to publish).
 
         Without a scope, `scope_source` (the assembler's in-flight episodes)
-        is asked after the prepare, while the assembler is paused."""
+        is asked after the prepare, while the assembler is paused.
+        `total_s`: the whole checkpoint's budget, from the call (waiting for
+        the lock included): the phase deadlines are cut to fit it, and a
+        checkpoint not ready to publish inside it fails whole (no Gym
+        manifest, no `LATEST`)."""
+        publish_by = None
+        if total_s is not None:
+            if total_s <= 0:
+                raise InvalidRequest(f"total_s must be positive, not {total_s!r}")
+            publish_by = self.clock.now() + total_s
         async with self.lock:
             start = time.monotonic()
+            if publish_by is not None:
+                prepare_s = self._fit(prepare_s, self.timeouts.prepare_s, publish_by)
             prepared = await self._prepare(prepare_s)
             if scope is None and scope_source is not None:
                 scope = await self._asked_scope(prepared.checkpoint_id, scope_source)
             committed = await self._commit(
-                checkpoint_dir, scope, stop=stop, strict=strict, deadline_s=commit_s
+                checkpoint_dir,
+                scope,
+                stop=stop,
+                strict=strict,
+                deadline_s=commit_s,
+                publish_by=publish_by,
             )
             resumed = await self._resume() if resume else None
         timings: dict[str, dict[str, float]] = {}

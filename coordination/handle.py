@@ -69,12 +69,16 @@ class CoordinatorHandle:
         prepare_s: float | None = None,
         commit_s: float | None = None,
         strict: bool = False,
+        total_s: float | None = None,
     ) -> CheckpointResult:
         """prepare → commit (scope) → Gym manifest → resume; `resume=False` keeps it
         open for publishing (call `resume()` after).  The result's `continued` and
         `restart` say which episodes of the scope have state and which start over;
         `strict=True` refuses (`RestartInScope`, nothing published) if any would
-        start over."""
+        start over.  `total_s` bounds the whole checkpoint: the phase deadlines
+        are cut to fit, and one not ready to publish in time fails whole
+        (`CoordinationFailed` with a `deadline_exceeded` failure; no Gym
+        manifest, no `LATEST`)."""
         res: CheckpointResult = self._sync(
             "checkpoint",
             str(checkpoint_dir),
@@ -84,6 +88,7 @@ class CoordinatorHandle:
             prepare_s,
             commit_s,
             strict,
+            total_s,
         )
         return res
 
@@ -97,6 +102,7 @@ class CoordinatorHandle:
         prepare_s: float | None = None,
         commit_s: float | None = None,
         strict: bool = False,
+        total_s: float | None = None,
     ) -> CheckpointResult:
         res: CheckpointResult = await self._async(
             "checkpoint",
@@ -107,6 +113,7 @@ class CoordinatorHandle:
             prepare_s,
             commit_s,
             strict,
+            total_s,
         )
         return res
 

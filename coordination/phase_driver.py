@@ -176,9 +176,16 @@ class PhaseDriver:
         stop: bool = False,
         strict: bool = False,
         deadline_s: float | None = None,
+        publish_by: float | None = None,
     ) -> CommitResult:
         return await checkpoint.commit(
-            self, checkpoint_dir, scope, stop=stop, strict=strict, deadline_s=deadline_s
+            self,
+            checkpoint_dir,
+            scope,
+            stop=stop,
+            strict=strict,
+            deadline_s=deadline_s,
+            publish_by=publish_by,
         )
 
     # --- resume / abort --------------------------------------------------------

@@ -52,6 +52,10 @@ class Budget:
     prepare_s: float
     commit_s: float
     wait_s: float  # how long the driver waits for the whole checkpoint
+    # The coordinator's overall deadline (`checkpoint(total_s=...)`): past it
+    # the checkpoint is not published; half the reserve is left after it for
+    # the Gym manifest and `LATEST`.
+    total_s: float = 0.0
 
 
 def cut_budget(grace_s: float, elapsed_s: float) -> Budget:
@@ -63,7 +67,9 @@ def cut_budget(grace_s: float, elapsed_s: float) -> Budget:
     if phases <= 0:
         raise DeadlineExceeded(f"the grace budget of {grace_s:g}s is spent")
     prepare = phases * PREPARE_SHARE
-    return Budget(prepare_s=prepare, commit_s=phases - prepare, wait_s=left)
+    return Budget(
+        prepare_s=prepare, commit_s=phases - prepare, wait_s=left, total_s=left - reserve / 2
+    )
 
 
 def check_signals(signals: Iterable[int]) -> tuple[signal.Signals, ...]:

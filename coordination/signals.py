@@ -247,6 +247,7 @@ class SignalCheckpointing:
                     stop=run.stop,
                     prepare_s=budget.prepare_s,
                     commit_s=budget.commit_s,
+                    total_s=budget.total_s,
                 )
         except TimeoutError:
             error = error_body(DeadlineExceeded(f"not complete inside {self.grace_s:g}s"))

@@ -55,6 +55,8 @@ def test_budget_fits_the_grace_left() -> None:
     assert b.wait_s == pytest.approx(7.0)
     assert b.prepare_s + b.commit_s == pytest.approx(7.0 - 1.0)  # 10% kept back
     assert 0 < b.prepare_s < b.commit_s
+    # The coordinator's overall deadline: after the phases, before the driver gives up.
+    assert b.prepare_s + b.commit_s < b.total_s < b.wait_s
     assert cut_budget(100.0, 0.0).prepare_s + cut_budget(100.0, 0.0).commit_s == 98.0
     with pytest.raises(DeadlineExceeded):
         cut_budget(1.0, 0.95)
@@ -91,6 +93,8 @@ async def test_sigusr1_checkpoints_continues_and_restores_the_handler() -> None:
     assert call["where"].endswith("-sigusr1")
     assert [e.rollout_id for e in call["scope"]] == ["r0", "r1"]
     assert call["prepare_s"] + call["commit_s"] <= 10 - 1.0 + 1e-9
+    # The coordinator is held to the budget too, not only the driver's wait.
+    assert call["prepare_s"] + call["commit_s"] < call["total_s"] < 10
     out = sc.outcomes[0]
     assert out.ok
     assert out.trigger == "SIGUSR1"
