@@ -30,6 +30,7 @@ from coordination.actor_options import (
     get_or_create_coordinator,
 )
 from coordination.core import CoordinatorCore
+from coordination.drain_control import DrainControl, DrainStatus, Relauncher
 from coordination.hosts import Host
 from coordination.journal import open_journal
 from coordination.membership import KindMismatch
@@ -133,6 +134,7 @@ class Coordinator:
         self.registry = RegistryKeeper(
             RegistryMemory(namespace=namespace, name=_own_name(), actor_id=_own_id())
         )
+        self.drains = DrainControl(self)
         self._recovery: asyncio.Task[str | None] | None = None
         with contextlib.suppress(RuntimeError):  # no loop here: recover on the first call
             self._recovery = asyncio.get_running_loop().create_task(self._recover())
@@ -377,3 +379,31 @@ class Coordinator:
         await writable(root)  # the root: probing `where` would leave a folder if prepare fails
         await self._ready(discover=True)
         return await self.core.checkpoint(where, None, scope_source=self.scope_source)
+
+    # --- Ray node drains (coordination.drain_control) ---------------------------
+    async def start_drain_watch(
+        self,
+        root: str,
+        relaunch: Relauncher,
+        poll_s: float = 1.0,
+        min_budget_s: float | None = None,
+        margin_s: float | None = None,
+        prefix: str = DEFAULT_PREFIX,
+    ) -> DrainStatus:
+        """Watch Ray's draining nodes; a drain of a node holding Gym hosts
+        checkpoints under `root` with `stop` inside its deadline, `relaunch`es
+        the hosts elsewhere and restores the whole Gym (`DrainStatus.outcomes`)."""
+        await self._ready()
+        await writable(root)
+        opts: dict[str, Any] = {}
+        if min_budget_s is not None:
+            opts["min_budget_s"] = min_budget_s
+        if margin_s is not None:
+            opts["margin_s"] = margin_s
+        return self.drains.start(root, relaunch, poll_s=poll_s, prefix=prefix, **opts)
+
+    async def stop_drain_watch(self) -> DrainStatus:
+        return await self.drains.stop()
+
+    async def drain_status(self) -> DrainStatus:
+        return self.drains.status()

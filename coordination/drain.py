@@ -117,6 +117,8 @@ class DrainOutcome(msgspec.Struct, frozen=True, kw_only=True):
     location: str | None = None
     checkpoint_id: str | None = None
     moved: dict[str, str] = msgspec.field(default_factory=dict)  # host → its new node
+    # participant → the next-attempt capture keys its restore installed
+    restored: dict[str, list[str]] = msgspec.field(default_factory=dict)
     seconds: float = 0.0
     error: dict[str, Any] | None = None
 

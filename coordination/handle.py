@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from coordination import roots
 from coordination.connect import connect
+from coordination.drain_control import DrainStatus, Relauncher
 from coordination.periodic import DEFAULT_PREFIX
 from coordination.remote import CoordinatorCalls, EpisodeLike, episodes, restore_args
 from coordination.results import (
@@ -254,6 +255,59 @@ class CoordinatorHandle:
 
     async def astop_periodic(self) -> PeriodicStatus | None:
         res: PeriodicStatus | None = await self._async("stop_periodic")
+        return res
+
+    # --- Ray node drains (coordination.drain_control) ---------------------------
+    def start_drain_watch(
+        self,
+        root: str,
+        relaunch: Relauncher,
+        *,
+        poll_s: float = 1.0,
+        min_budget_s: float | None = None,
+        margin_s: float | None = None,
+        prefix: str = DEFAULT_PREFIX,
+    ) -> DrainStatus:
+        """The coordinator watches Ray's draining nodes: when one holding Gym
+        hosts drains, it checkpoints under `root` with `stop` inside the
+        deadline, calls `relaunch(hosts, avoid)` (a picklable async callable,
+        e.g. `participants.fleet_relaunch.FleetRelauncher`: every host fresh,
+        none on `avoid`) and restores the whole Gym; `drain_status()` lists
+        each outcome.  A deadline too short is reported; nothing is published."""
+        res: DrainStatus = self._sync(
+            "start_drain_watch", str(root), relaunch, poll_s, min_budget_s, margin_s, prefix
+        )
+        return res
+
+    async def astart_drain_watch(
+        self,
+        root: str,
+        relaunch: Relauncher,
+        *,
+        poll_s: float = 1.0,
+        min_budget_s: float | None = None,
+        margin_s: float | None = None,
+        prefix: str = DEFAULT_PREFIX,
+    ) -> DrainStatus:
+        res: DrainStatus = await self._async(
+            "start_drain_watch", str(root), relaunch, poll_s, min_budget_s, margin_s, prefix
+        )
+        return res
+
+    def stop_drain_watch(self) -> DrainStatus:
+        res: DrainStatus = self._sync("stop_drain_watch")
+        return res
+
+    async def astop_drain_watch(self) -> DrainStatus:
+        res: DrainStatus = await self._async("stop_drain_watch")
+        return res
+
+    def drain_status(self) -> DrainStatus:
+        res: DrainStatus = self._sync("drain_status")
+        return res
+
+    async def adrain_status(self) -> DrainStatus:
+        res: DrainStatus = await self._async("drain_status")
         return res
 
     # --- checkpoints on a signal (coordination.signals) --------------------------
