@@ -174,9 +174,7 @@ class ModelServer(ServerBase):
         # After the last await before admission: a retire that ran while the
         # body was arriving is seen here (admit checks the marks again).
         self.check_attempt(episode)
-        call = self.participant.admit(
-            episode, conversation, params, position=position, limit=limit
-        )
+        call = self.participant.admit(episode, conversation, params, position=position, limit=limit)
         try:
             await self._generate(call, limit)
             await self.participant.hold(call)
