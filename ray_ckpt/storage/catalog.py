@@ -131,6 +131,12 @@ def scan(blobs: Blobs) -> Catalog:
     with concurrent.futures.ThreadPoolExecutor(max_workers=_READERS) as pool:
         scanned = pool.map(lambda item: _scan_one(blobs, *item), by_name.items())
         found = {s.entry.name: s for s in scanned}
+    # Complete also means every file it needs elsewhere is there: an incremental
+    # checkpoint whose earlier records were deleted (by hand, by another tool)
+    # would otherwise be listed complete and picked as `latest`, and fail only
+    # at restore.
+    present = {i.key for infos in by_name.values() for i in infos}
+    found = {n: _missing_needs(s, present) for n, s in found.items()}
     # A key inside another checkpoint that one needs makes it "referenced by" that one.
     referenced: dict[str, set[str]] = {n: set() for n in found}
     for name, s in found.items():
@@ -145,6 +151,19 @@ def scan(blobs: Blobs) -> Catalog:
         for n, s in found.items()
     }
     return Catalog(url=blobs.url, checkpoints=done, latest=read_latest(blobs), root_keys=outside)
+
+
+def _missing_needs(s: Scanned, present: set[str]) -> Scanned:
+    missing = sorted(s.needs - present) if s.entry.complete else []
+    if not missing:
+        return s
+    problem = f"{len(missing)} file(s) it needs are missing, e.g. {missing[0]}: incomplete"
+    return msgspec.structs.replace(
+        s,
+        entry=msgspec.structs.replace(s.entry, complete=False),
+        needs=frozenset(),  # nothing restores from it (as for any incomplete one)
+        problem=problem,
+    )
 
 
 def scan_one(blobs: Blobs, name: str) -> Scanned:

@@ -163,3 +163,31 @@ def test_referenced_by_comes_from_needed_keys(
     assert rows["base"].referenced_by == ["delta"]
     assert rows["delta"].referenced_by == []
     date(tmp_path / "base", T0)  # scanning changed nothing on disk
+
+
+def test_a_checkpoint_whose_referenced_records_are_gone_is_not_complete(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An incremental checkpoint needs its base's records: once they are
+    deleted (by hand, by another tool) it is listed incomplete and `latest`
+    falls back to the newest one that can still restore whole."""
+    commit(tmp_path, "old", T0)
+    commit(tmp_path, "base", T0 + 1)
+    commit(tmp_path, "delta", T0 + 2)
+    base_records = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.glob("base/gym/*/*/r*"))
+    real = needed_keys
+
+    def with_reference(name: str, gym: object, manifests: object) -> frozenset[str]:
+        keys = real(name, gym, manifests)  # type: ignore[arg-type]
+        return keys | {base_records[0]} if name == "delta" else keys
+
+    monkeypatch.setattr(catalog, "needed_keys", with_reference)
+    location = open_location(str(tmp_path))
+    assert pick_latest(scan(location)).entry.name == "delta"
+    for records in base_records:
+        (tmp_path / records).unlink()
+    rows = {e.name: e for e in scan(location).entries}
+    assert not rows["delta"].complete
+    assert not rows["base"].complete
+    assert rows["old"].complete
+    assert pick_latest(scan(location)).entry.name == "old"
