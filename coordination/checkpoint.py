@@ -82,7 +82,11 @@ async def prepare(driver: PhaseDriver, deadline_s: float | None = None) -> Prepa
                     failures[key] = failure(err, report)
             if failures:
                 raise coordination_failed("prepare", cid, failures)
-        await driver._record(JournalEntry(checkpoint_id=cid, phase="prepared", op="checkpoint"))
+        # In memory only: recovery aborts a "preparing" checkpoint as it would a
+        # "prepared" one, so the write would add nothing but time to the pause.
+        await driver._record(
+            JournalEntry(checkpoint_id=cid, phase="prepared", op="checkpoint"), durable=False
+        )
     driver._prepare_restarts = {k for keys in restarts.values() for k in keys}
     return PrepareResult(
         checkpoint_id=cid, seconds=time.monotonic() - start, timings=timings, restarts=restarts
@@ -174,7 +178,8 @@ async def commit(
                 phase="committed",
                 op="checkpoint",
                 checkpoint_dir=checkpoint_dir,
-            )
+            ),
+            durable=False,  # the Gym manifest is the durable record of this step
         )
     return CommitResult(
         checkpoint_id=cid,

@@ -128,11 +128,15 @@ class PhaseDriver:
         """Fix the members of the checkpoint or restore about to open."""
         self.frozen = dict(roster)
 
-    async def _record(self, entry: JournalEntry | None) -> None:
+    async def _record(self, entry: JournalEntry | None, *, durable: bool = True) -> None:
         """Note the open checkpoint (or that none is) before the next fan-out.
 
         The state changes here, on the loop; the write (a GCS call or an
-        fsync, both blocking) runs in a thread, and the fan-out waits for it."""
+        fsync, both blocking) runs in a thread, and the fan-out waits for it.
+        `durable=False` changes only the state in memory: for a step after
+        which recovery would do exactly what the journalled phase already
+        makes it do (every phase of a checkpoint recovers by resuming
+        everyone), a write would only cost the pause a round trip or fsync."""
         self.open = entry
         if entry is None:
             self.frozen = {}
@@ -141,7 +145,8 @@ class PhaseDriver:
             return
         entry.updated_at = self.clock.now()
         entry.members = {k: h.describe() for k, h in self.frozen.items()}
-        await asyncio.to_thread(self.journal.write, encode(entry))
+        if durable:
+            await asyncio.to_thread(self.journal.write, encode(entry))
 
     def _prune_gone(self, out: Outcome) -> None:
         """Drop members whose actor no longer exists (each failed call says so):
@@ -214,7 +219,9 @@ class PhaseDriver:
         if entry is not None and entry.checkpoint_id == cid:
             entry.phase = "resuming"
             try:
-                await self._record(entry)
+                # A checkpoint recovers by resuming, whatever its journalled
+                # phase; a restore's phase decides (undo or resume), so it is written.
+                await self._record(entry, durable=entry.op == "restore")
             except Exception:
                 log.exception("could not journal the resume of %s; resuming anyway", cid)
         deadline_s = self.timeouts.resume_s if deadline_s is None else deadline_s
