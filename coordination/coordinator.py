@@ -34,6 +34,7 @@ from coordination.drain_control import DrainControl, DrainStatus, Relauncher
 from coordination.hosts import Host
 from coordination.journal import open_journal
 from coordination.membership import KindMismatch
+from coordination.metrics import TRIGGERS, CoordinatorMetrics, ray_sink
 from coordination.order import Member
 from coordination.periodic import DEFAULT_PREFIX, AssemblerScope
 from coordination.periodic_control import PeriodicControl, PeriodicMemory
@@ -122,6 +123,7 @@ class Coordinator:
             journal=open_journal(state_dir, namespace=namespace, name=_own_name()),
             timeouts=Timeouts(**timeouts) if timeouts else None,
             pause_mode=pause_mode,
+            metrics=CoordinatorMetrics(ray_sink()),
         )
         # The registered assembler's in-flight episodes (if it names a method):
         # the scope of every checkpoint taken without one.
@@ -304,7 +306,10 @@ class Coordinator:
         commit_s: float | None = None,
         strict: bool = False,
         total_s: float | None = None,
+        trigger: str = "manual",
     ) -> CheckpointResult:
+        if trigger not in TRIGGERS:
+            raise InvalidRequest(f"trigger must be one of {list(TRIGGERS)}, not {trigger!r}")
         await self._ready(discover=True)
         # Before anyone is paused: a location that cannot be written is refused
         # (unless a checkpoint is open: that refusal needs no storage).
@@ -320,6 +325,7 @@ class Coordinator:
             commit_s=commit_s,
             scope_source=self.scope_source,
             total_s=total_s,
+            trigger=trigger,
         )
 
     async def restore(
@@ -378,7 +384,9 @@ class Coordinator:
     async def _periodic_checkpoint(self, root: str, where: str) -> CheckpointResult:
         await writable(root)  # the root: probing `where` would leave a folder if prepare fails
         await self._ready(discover=True)
-        return await self.core.checkpoint(where, None, scope_source=self.scope_source)
+        return await self.core.checkpoint(
+            where, None, scope_source=self.scope_source, trigger="periodic"
+        )
 
     # --- Ray node drains (coordination.drain_control) ---------------------------
     async def start_drain_watch(

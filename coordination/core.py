@@ -23,6 +23,7 @@ from coordination.fanout import failure
 from coordination.hosts import Host
 from coordination.manifests import ManifestReader, read_listed, read_listed_or_participants
 from coordination.membership import checked, discover_candidates
+from coordination.metrics import CoordinatorMetrics
 from coordination.order import Member, forget_groups, retire_groups
 from coordination.phase_driver import PhaseDriver
 from coordination.replies import string_list
@@ -54,6 +55,7 @@ class CoordinatorCore(PhaseDriver):
         *,
         manifest_reader: ManifestReader = read_listed,
         unlisted_reader: ManifestReader = read_listed_or_participants,
+        metrics: CoordinatorMetrics | None = None,
         **kwargs: Any,
     ) -> None:
         # The real writer also points the parent's LATEST at the checkpoint.
@@ -62,6 +64,8 @@ class CoordinatorCore(PhaseDriver):
         self.manifest_reader = manifest_reader
         # Only when a restore asks for it (`allow_without_gym_manifest`).
         self.unlisted_reader = unlisted_reader
+        # Off Ray a null sink; the actor passes Ray's (`coordination.metrics`).
+        self.metrics = metrics or CoordinatorMetrics()
 
     # --- checkpoint ------------------------------------------------------------
     async def prepare(self, deadline_s: float | None = None) -> PrepareResult:
@@ -119,6 +123,7 @@ class CoordinatorCore(PhaseDriver):
         commit_s: float | None = None,
         scope_source: ScopeSource | None = None,
         total_s: float | None = None,
+        trigger: str = "manual",
     ) -> CheckpointResult:
         """prepare → commit → Gym manifest → resume (unless kept open to publish).
 
@@ -127,7 +132,40 @@ class CoordinatorCore(PhaseDriver):
         `total_s`: the whole checkpoint's budget, from the call (waiting for
         the lock included): the phase deadlines are cut to fit it, and a
         checkpoint not ready to publish inside it fails whole (no Gym
-        manifest, no `LATEST`)."""
+        manifest, no `LATEST`).  `trigger` (manual, periodic, signal, drain)
+        labels its metrics."""
+        start = time.monotonic()
+        try:
+            result = await self._checkpoint(
+                checkpoint_dir,
+                scope,
+                resume=resume,
+                stop=stop,
+                strict=strict,
+                prepare_s=prepare_s,
+                commit_s=commit_s,
+                scope_source=scope_source,
+                total_s=total_s,
+            )
+        except Exception as exc:
+            self.metrics.checkpoint_failed(exc, time.monotonic() - start, trigger)
+            raise
+        self.metrics.checkpoint_done(result, trigger)
+        return result
+
+    async def _checkpoint(
+        self,
+        checkpoint_dir: str,
+        scope: Sequence[EpisodeId] | None,
+        *,
+        resume: bool,
+        stop: bool,
+        strict: bool,
+        prepare_s: float | None,
+        commit_s: float | None,
+        scope_source: ScopeSource | None,
+        total_s: float | None,
+    ) -> CheckpointResult:
         publish_by = None
         if total_s is not None:
             if total_s <= 0:
@@ -200,15 +238,22 @@ class CoordinatorCore(PhaseDriver):
         ID; without it such a directory is refused."""
         episodes = list(episode_ids)
         reader = self.unlisted_reader if allow_without_gym_manifest else self.manifest_reader
-        async with self.lock:
-            return await restore(
-                self,
-                reader,
-                checkpoint_dir,
-                episodes,
-                resume=resume,
-                deadline_s=deadline_s,
-            )
+        start = time.monotonic()
+        try:
+            async with self.lock:
+                result = await restore(
+                    self,
+                    reader,
+                    checkpoint_dir,
+                    episodes,
+                    resume=resume,
+                    deadline_s=deadline_s,
+                )
+        except Exception as exc:
+            self.metrics.restore_failed(exc, time.monotonic() - start)
+            raise
+        self.metrics.restore_done(result)
+        return result
 
     # --- retire / forget ---------------------------------------------------------
     def _idle_operation_id(self, op: str) -> str:

@@ -95,6 +95,7 @@ class CoordinatorDrainActions:
             commit_s=budget.commit_s,
             scope_source=c.scope_source,
             total_s=budget.total_s,
+            trigger="drain",
         )
 
     async def relaunch(self, hosts: list[str], avoid: list[str]) -> dict[str, str]:

@@ -71,6 +71,7 @@ class CoordinatorHandle:
         commit_s: float | None = None,
         strict: bool = False,
         total_s: float | None = None,
+        trigger: str = "manual",
     ) -> CheckpointResult:
         """prepare → commit (scope) → Gym manifest → resume; `resume=False` keeps it
         open for publishing (call `resume()` after).  The result's `continued` and
@@ -79,7 +80,8 @@ class CoordinatorHandle:
         start over.  `total_s` bounds the whole checkpoint: the phase deadlines
         are cut to fit, and one not ready to publish in time fails whole
         (`CoordinationFailed` with a `deadline_exceeded` failure; no Gym
-        manifest, no `LATEST`)."""
+        manifest, no `LATEST`).  `trigger` (manual, periodic, signal or drain)
+        labels its metrics and its timeline."""
         res: CheckpointResult = self._sync(
             "checkpoint",
             str(checkpoint_dir),
@@ -90,6 +92,7 @@ class CoordinatorHandle:
             commit_s,
             strict,
             total_s,
+            trigger,
         )
         return res
 
@@ -104,6 +107,7 @@ class CoordinatorHandle:
         commit_s: float | None = None,
         strict: bool = False,
         total_s: float | None = None,
+        trigger: str = "manual",
     ) -> CheckpointResult:
         res: CheckpointResult = await self._async(
             "checkpoint",
@@ -115,6 +119,7 @@ class CoordinatorHandle:
             commit_s,
             strict,
             total_s,
+            trigger,
         )
         return res
 

@@ -248,6 +248,7 @@ class SignalCheckpointing:
                     prepare_s=budget.prepare_s,
                     commit_s=budget.commit_s,
                     total_s=budget.total_s,
+                    trigger="signal",
                 )
         except TimeoutError:
             error = error_body(DeadlineExceeded(f"not complete inside {self.grace_s:g}s"))

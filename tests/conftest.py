@@ -7,6 +7,7 @@ Unit tests never touch Ray; tests that need it take the `ray_session` fixture
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -17,6 +18,16 @@ import pytest
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+_METRICS_PORT = _free_port()
 
 
 @pytest.fixture(scope="session")
@@ -33,11 +44,21 @@ def ray_session() -> Iterator[str]:
         namespace="ray-ckpt-tests",
         logging_level="WARNING",
         log_to_driver=False,
+        # Prometheus' endpoint on a known port (the metrics test scrapes it),
+        # and reports every 2 s instead of 10 so the scrape sees them soon.
+        _metrics_export_port=_METRICS_PORT,
+        _system_config={"metrics_report_interval_ms": 2000},
     )
     try:
         yield f"t{uuid.uuid4().hex[:8]}"
     finally:
         ray.shutdown()
+
+
+@pytest.fixture
+def ray_metrics_url(ray_session: str) -> str:
+    """The shared cluster's Prometheus endpoint (its one node's metrics agent)."""
+    return f"http://127.0.0.1:{_METRICS_PORT}/metrics"
 
 
 @pytest.fixture

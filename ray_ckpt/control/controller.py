@@ -26,6 +26,7 @@ from typing import Any
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
 from ray_ckpt.control import shielded
 from ray_ckpt.control.commit import Commits, Write
+from ray_ckpt.control.observer import ControlObserver
 from ray_ckpt.control.phase_machine import ControlState, Effect, Event, Phase, Transition
 from ray_ckpt.control.protocol import Participant
 from ray_ckpt.control.restore import Restores
@@ -80,6 +81,8 @@ class ParticipantController:
         # participant without a `retiring()` hook.
         self._retiring: Counter[EpisodeId] = Counter()
         self._lease = LeaseWatcher(self)
+        # Told of every call and lease expiry (the host's metrics); none off Ray.
+        self.observer: ControlObserver | None = None
         participant.bind(self.notify)
 
     # --- plumbing ----------------------------------------------------------
@@ -106,10 +109,27 @@ class ParticipantController:
         """Decode, dispatch and answer one control call (any transport)."""
         if op == "status":
             return self.status()
+        if self.observer is None:
+            return await self._dispatch(op, body)
+        start = self.clock.now()
+        outcome = "failed"
+        try:
+            reply = await self._dispatch(op, body)
+            outcome = "ok"
+            return reply
+        finally:
+            self.observer.call_done(op, self.clock.now() - start, outcome, len(self._writes))
+
+    async def _dispatch(self, op: str, body: bytes | dict[str, Any]) -> dict[str, Any]:
         req = decode_request(op, body)
         handler = getattr(self, op)
         reply: dict[str, Any] = await handler(req)
         return reply
+
+    @property
+    def writes_in_flight(self) -> int:
+        """Commit writes under way (each stops at its resume or lease expiry)."""
+        return len(self._writes)
 
     # --- status ------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -252,6 +272,8 @@ class ParticipantController:
                 # before admission reopens.
                 await self._restores.abandon()
             await self._apply(self.state.fire(Event.LEASE_EXPIRED))
+            if self.observer is not None:
+                self.observer.lease_expired()
             return True
 
     def start(self) -> None:

@@ -40,6 +40,7 @@ from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.control.routes import maybe_install_control_routes
 from ray_ckpt.control.wire import OPERATIONS
 from ray_ckpt.errors import CheckpointError, NotFound, ParticipantUnavailable
+from ray_ckpt.hosting.metrics import HostMetrics
 from ray_ckpt.hosting.serving import (
     DEFAULT_DRAIN_S,
     Serving,
@@ -76,6 +77,8 @@ class ParticipantHost(NamedControlOps):
             self.controller = ParticipantController(
                 self.server.participant, instance=spec.name, settings=self.settings
             )
+            # Inside the Ray actor: its calls, writes and lease expiries as Ray metrics.
+            self.controller.observer = HostMetrics(spec.kind)
             self.server.attach(self.controller)
             if isinstance(app, web.Application):
                 maybe_install_control_routes(app, self.controller, self.settings)

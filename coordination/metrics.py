@@ -1,0 +1,203 @@
+"""The coordinator's checkpoint metrics, exported through Ray's Prometheus endpoint.
+
+Names follow NeMo RL's rollout-checkpoint timings where they mean the same
+(`total_save_seconds`, `barrier_wait_seconds`, `exclusive_hold_seconds`),
+under a `ray_ckpt_` prefix.  Labels are low-cardinality only — `kind`,
+`phase`, `outcome`, `trigger`, `code` — never a rollout or checkpoint ID, so
+a run of days keeps a fixed number of series.
+
+`CoordinatorMetrics` turns results into observations on a `MetricSink`:
+`RaySink` (`ray.util.metrics`, created lazily inside the actor), or
+`NullSink` (the core's default, off Ray: costs one method call) or a
+recording sink in unit tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from coordination.results import CheckpointResult, RestoreResult
+from ray_ckpt.errors import CheckpointError, CoordinationFailed
+from ray_ckpt.hosting.metrics import PREFIX, SECONDS_BOUNDARIES
+
+# What started a checkpoint (the `trigger` label).
+TRIGGERS = ("manual", "periodic", "signal", "drain")
+
+
+# name (without the prefix) → (type, description, label keys)
+DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "total_save_seconds": (
+        "histogram",
+        "Whole checkpoint, prepare to resume (or to publish-ready when kept open)",
+        ("trigger", "outcome"),
+    ),
+    "barrier_wait_seconds": (
+        "histogram",
+        "Prepare: waiting for every participant to reach its boundaries",
+        ("trigger",),
+    ),
+    "prepare_wait_seconds": (
+        "histogram",
+        "One participant's prepare call (its wait for its own boundaries)",
+        ("kind",),
+    ),
+    "exclusive_hold_seconds": (
+        "histogram",
+        "Admission closed: from the prepare until the resume reopened it",
+        ("trigger",),
+    ),
+    "commit_seconds": (
+        "histogram",
+        "One participant's commit call (its write of its records)",
+        ("kind",),
+    ),
+    "durable_seconds": (
+        "histogram",
+        "Writing the Gym manifest and LATEST, the commit point",
+        ("trigger",),
+    ),
+    "resume_seconds": ("histogram", "Resume of every participant", ("trigger",)),
+    "restore_seconds": ("histogram", "Whole restore", ("outcome",)),
+    "checkpoints_total": ("counter", "Checkpoints by trigger and outcome", ("trigger", "outcome")),
+    "bytes_written_total": ("counter", "Bytes of records written by checkpoints", ("kind",)),
+    "last_checkpoint_bytes": ("gauge", "Bytes the last complete checkpoint wrote", ("trigger",)),
+    "episodes_in_scope_total": ("counter", "Episodes in the scope of checkpoints", ("trigger",)),
+    "episodes_continued_total": (
+        "counter",
+        "Episodes a checkpoint or restore holds state for (continue)",
+        ("phase",),
+    ),
+    "episodes_restarted_total": (
+        "counter",
+        "Episodes of a scope no participant held state for (start over)",
+        ("phase",),
+    ),
+    "failures_total": (
+        "counter",
+        "Failed operations by phase and error code (one per failing participant)",
+        ("phase", "code"),
+    ),
+}
+
+
+class MetricSink(Protocol):
+    def record(self, name: str, value: float, tags: Mapping[str, str]) -> None:
+        """Observe (histogram), add (counter) or set (gauge) `name`."""
+
+
+class NullSink:
+    def record(self, name: str, value: float, tags: Mapping[str, str]) -> None:
+        return None
+
+
+class RaySink:
+    """`ray.util.metrics` objects, one per name, made on first use (inside a
+    Ray worker: the driver's import of this module registers nothing)."""
+
+    def __init__(self) -> None:
+        self._metrics: dict[str, Any] = {}
+
+    def _metric(self, name: str) -> Any:
+        metric = self._metrics.get(name)
+        if metric is None:
+            from ray.util import metrics
+
+            kind, description, keys = DEFINITIONS[name]
+            full = PREFIX + name
+            if kind == "histogram":
+                metric = metrics.Histogram(
+                    full, description, boundaries=SECONDS_BOUNDARIES, tag_keys=keys
+                )
+            elif kind == "counter":
+                metric = metrics.Counter(full, description, tag_keys=keys)
+            else:
+                metric = metrics.Gauge(full, description, tag_keys=keys)
+            self._metrics[name] = metric
+        return metric
+
+    def record(self, name: str, value: float, tags: Mapping[str, str]) -> None:
+        metric = self._metric(name)
+        kind = DEFINITIONS[name][0]
+        if kind == "histogram":
+            metric.observe(value, tags=dict(tags))
+        elif kind == "counter":
+            if value > 0:
+                metric.inc(value, tags=dict(tags))
+        else:
+            metric.set(value, tags=dict(tags))
+
+
+def ray_sink() -> MetricSink:
+    """Ray's metrics inside a Ray worker, else none (a coordinator built off Ray)."""
+    import ray
+
+    return RaySink() if ray.is_initialized() else NullSink()
+
+
+def kind_of(key: str) -> str:
+    """The participant kind of a member key `<kind>/<name>`."""
+    return key.partition("/")[0]
+
+
+def trigger_label(trigger: str) -> str:
+    return trigger if trigger in TRIGGERS else "manual"
+
+
+class CoordinatorMetrics:
+    def __init__(self, sink: MetricSink | None = None) -> None:
+        self.sink: MetricSink = sink or NullSink()
+
+    def checkpoint_done(self, result: CheckpointResult, trigger: str) -> None:
+        t = {"trigger": trigger_label(trigger)}
+        rec = self.sink.record
+        rec("total_save_seconds", result.total_s, {**t, "outcome": "ok"})
+        rec("checkpoints_total", 1, {**t, "outcome": "ok"})
+        rec("barrier_wait_seconds", result.prepare_s, t)
+        rec("durable_seconds", result.manifest_s, t)
+        if result.resume_s is not None:
+            rec("resume_seconds", result.resume_s, t)
+            # `total_s` runs from the prepare (after the lock) to the end of the
+            # resume: the time admission was closed.
+            rec("exclusive_hold_seconds", result.total_s, t)
+        for key, table in result.timings.items():
+            if "prepare" in table:
+                rec("prepare_wait_seconds", table["prepare"], {"kind": kind_of(key)})
+            if "commit" in table:
+                rec("commit_seconds", table["commit"], {"kind": kind_of(key)})
+        by_kind: dict[str, int] = {}
+        for key, n in result.bytes.items():
+            by_kind[kind_of(key)] = by_kind.get(kind_of(key), 0) + n
+        for kind, n in by_kind.items():
+            rec("bytes_written_total", n, {"kind": kind})
+        rec("last_checkpoint_bytes", result.total_bytes, t)
+        rec("episodes_in_scope_total", len(result.continued) + len(result.restart), t)
+        rec("episodes_continued_total", len(result.continued), {"phase": "checkpoint"})
+        rec("episodes_restarted_total", len(result.restart), {"phase": "checkpoint"})
+
+    def checkpoint_failed(self, err: BaseException, seconds: float, trigger: str) -> None:
+        t = {"trigger": trigger_label(trigger)}
+        self.sink.record("total_save_seconds", seconds, {**t, "outcome": "failed"})
+        self.sink.record("checkpoints_total", 1, {**t, "outcome": "failed"})
+        self.failed("checkpoint", err)
+
+    def restore_done(self, result: RestoreResult) -> None:
+        self.sink.record("restore_seconds", result.total_s, {"outcome": "ok"})
+        self.sink.record("episodes_continued_total", len(result.continued), {"phase": "restore"})
+        self.sink.record("episodes_restarted_total", len(result.restart), {"phase": "restore"})
+
+    def restore_failed(self, err: BaseException, seconds: float) -> None:
+        self.sink.record("restore_seconds", seconds, {"outcome": "failed"})
+        self.failed("restore", err)
+
+    def failed(self, operation: str, err: BaseException) -> None:
+        """One count per failing participant and code, under the phase that
+        failed (a `CoordinationFailed` names it), else one for the error."""
+        if isinstance(err, CoordinationFailed) and err.failures:
+            phase = err.operation or operation
+            for entry in err.failures.values():
+                code = str(entry.get("code") or "unknown")
+                self.sink.record("failures_total", 1, {"phase": phase, "code": code})
+            return
+        code = err.code if isinstance(err, CheckpointError) else "internal"
+        self.sink.record("failures_total", 1, {"phase": operation, "code": code})

@@ -1,0 +1,52 @@
+"""A host's metrics, exported through Ray's Prometheus endpoint.
+
+Per Gym server host: how long each control call took (`op`, `outcome`), the
+commit writes in flight and the lease expiries (a coordinator that went
+silent).  Labels are the participant kind, the operation and the outcome
+only — never a rollout, checkpoint or instance name — so the number of
+series stays fixed however long the run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Ray's Prometheus exporter puts its namespace, `ray_`, before every metric
+# name: registered as `ckpt_<name>`, each is scraped as `ray_ckpt_<name>`.
+PREFIX = "ckpt_"
+EXPORTED_PREFIX = "ray_" + PREFIX
+# Seconds: from a few milliseconds (an idle fleet on loopback) to the
+# default commit deadline (300 s).
+SECONDS_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]
+
+
+class HostMetrics:
+    """A `ControlObserver` over `ray.util.metrics` (made inside the host actor)."""
+
+    def __init__(self, kind: str) -> None:
+        from ray.util import metrics
+
+        self._tags = {"kind": kind}
+        self._calls: Any = metrics.Histogram(
+            PREFIX + "control_call_seconds",
+            "One control call on a participant, by operation and outcome",
+            boundaries=SECONDS_BOUNDARIES,
+            tag_keys=("kind", "op", "outcome"),
+        )
+        self._writes: Any = metrics.Gauge(
+            PREFIX + "writes_in_flight",
+            "Commit writes under way on a participant",
+            tag_keys=("kind",),
+        )
+        self._expiries: Any = metrics.Counter(
+            PREFIX + "lease_expiries_total",
+            "Leases that ran out (the participant resumed by itself)",
+            tag_keys=("kind",),
+        )
+
+    def call_done(self, op: str, seconds: float, outcome: str, writes_in_flight: int) -> None:
+        self._calls.observe(seconds, tags={**self._tags, "op": op, "outcome": outcome})
+        self._writes.set(writes_in_flight, tags=self._tags)
+
+    def lease_expired(self) -> None:
+        self._expiries.inc(1, tags=self._tags)
