@@ -14,6 +14,7 @@ operation shares; these two are the forward steps only a checkpoint takes.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,8 @@ from ray_ckpt.identity import EpisodeId
 
 if TYPE_CHECKING:
     from coordination.phase_driver import PhaseDriver
+
+log = logging.getLogger(__name__)
 
 
 def manifest_bytes(manifest: Any) -> int:
@@ -88,9 +91,9 @@ async def prepare(driver: PhaseDriver, deadline_s: float | None = None) -> Prepa
             JournalEntry(checkpoint_id=cid, phase="prepared", op="checkpoint"), durable=False
         )
     driver._prepare_restarts = {k for keys in restarts.values() for k in keys}
-    return PrepareResult(
-        checkpoint_id=cid, seconds=time.monotonic() - start, timings=timings, restarts=restarts
-    )
+    seconds = time.monotonic() - start
+    log.info("prepare %s: %d participants in %.3fs", cid, len(timings), seconds)
+    return PrepareResult(checkpoint_id=cid, seconds=seconds, timings=timings, restarts=restarts)
 
 
 async def commit(
@@ -181,13 +184,23 @@ async def commit(
             ),
             durable=False,  # the Gym manifest is the durable record of this step
         )
+    seconds = time.monotonic() - start
+    written = {k: manifest_bytes(r.get("manifest")) for k, r in out.replies.items()}
+    log.info(
+        "commit %s: %d participants, %d bytes in %.3fs (Gym manifest %.3fs)",
+        cid,
+        len(written),
+        sum(written.values()),
+        seconds,
+        manifest_s,
+    )
     return CommitResult(
         checkpoint_id=cid,
         checkpoint_dir=checkpoint_dir,
-        seconds=time.monotonic() - start,
+        seconds=seconds,
         manifest_s=manifest_s,
         timings=out.timings,
-        bytes={k: manifest_bytes(r.get("manifest")) for k, r in out.replies.items()},
+        bytes=written,
         episode_ids=exported,
         continued=continued,
         restart=restart,

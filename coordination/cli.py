@@ -35,6 +35,7 @@ def _location(directory: str) -> None:
 
 
 @click.group()
+@click.version_option(package_name="ray-ckpt", prog_name="ray-ckpt")
 def main() -> None:
     """Checkpoint and restore Gym servers on Ray."""
 
@@ -244,7 +245,14 @@ def inspect(directory: str, as_json: bool) -> None:
     sys.exit(0 if report.ok else 1)
 
 
-@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+# No help option of its own: `--help` goes on to the demo, which prints its options.
+@main.command(
+    context_settings={
+        "ignore_unknown_options": True,
+        "allow_extra_args": True,
+        "help_option_names": [],
+    }
+)
 @click.pass_context
 def demo(ctx: click.Context) -> None:
     """Run the end-to-end demo (--address, --namespace, --rollouts, --steps, --json)."""

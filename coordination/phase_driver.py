@@ -228,6 +228,7 @@ class PhaseDriver:
         deadline_ts = self.clock.now() + deadline_s
         body = {"checkpoint_id": cid, "deadline_ts": deadline_ts}
         failures: dict[str, Any] = {}
+        start = time.monotonic()
         for group in resume_groups(members):
             try:
                 out = await self._group(group, "resume", body, deadline_ts)
@@ -249,6 +250,13 @@ class PhaseDriver:
                 await host.aclose()
         for key, why in failures.items():
             log.warning("resume of %s at %s failed (its lease will lapse): %s", cid, key, why)
+        log.info(
+            "resume %s: %d participants in %.3fs (%d failed)",
+            cid,
+            len(members),
+            time.monotonic() - start,
+            len(failures),
+        )
         return failures
 
     async def _resume_directly(

@@ -108,9 +108,17 @@ async def restore(
         # it installed, everyone is resumed.
         await undo_restore(driver, cid, episodes, deadline_ts)
         raise
-    resume_failures = await driver.resume_everyone(cid) if resume else {}
     restored = {k: string_list(r.get("restored")) for k, r in out.replies.items()}
     installed = {k for keys in restored.values() for k in keys}
+    log.info(
+        "restore %s from %s: %d participants, %d episodes installed in %.3fs",
+        cid,
+        checkpoint_dir,
+        len(restored),
+        len(installed),
+        time.monotonic() - start,
+    )
+    resume_failures = await driver.resume_everyone(cid) if resume else {}
     return RestoreResult(
         checkpoint_id=cid,
         source_checkpoint_id=source_id,

@@ -23,6 +23,22 @@ def test_every_command_is_listed() -> None:
         assert name in result.output
 
 
+def test_version_is_the_installed_packages() -> None:
+    from importlib.metadata import version
+
+    result = CliRunner().invoke(main, ["--version"])
+    assert result.exit_code == 0
+    assert result.output.strip() == f"ray-ckpt, version {version('ray-ckpt')}"
+
+
+def test_demo_help_shows_the_demos_own_options() -> None:
+    result = CliRunner().invoke(main, ["demo", "--help"])
+    assert result.exit_code == 0
+    assert "Usage: ray-ckpt demo" in result.output
+    for option in ("--rollouts", "--steps", "--checkpoint-dir", "--json", "--address"):
+        assert option in result.output
+
+
 class _Handle:
     """Stands in for the cluster's coordinator: records what `restore` was asked."""
 
