@@ -25,6 +25,7 @@ from coordination.journal import JournalEntry
 from coordination.order import commit_groups, prepare_groups
 from coordination.replies import as_mapping, int_or_none, report_of, string_list
 from coordination.results import CommitResult, PrepareResult
+from coordination.timeline import COORDINATOR_ROW
 from ray_ckpt.errors import (
     CheckpointConflict,
     CheckpointError,
@@ -66,7 +67,10 @@ async def prepare(driver: PhaseDriver, deadline_s: float | None = None) -> Prepa
     async with driver._aborting(cid):
         await driver._record(JournalEntry(checkpoint_id=cid, phase="preparing", op="checkpoint"))
         driver.renewer.start(cid)
+        pausing = driver.clock.now()
         await driver.pauses.pause(cid, driver.pauses.prepare_roles(), deadline_s)
+        if driver.pauses.targets:
+            driver.timeline.span(cid, COORDINATOR_ROW, "pause callers", pausing, driver.clock.now())
         body = {"checkpoint_id": cid, "deadline_ts": deadline_ts}
         timings: dict[str, float] = {}
         restarts: dict[str, list[str]] = {}
@@ -168,9 +172,11 @@ async def commit(
             )
             raise coordination_failed("commit", cid, {"gym-manifest": failure(late_err)})
         m_start = time.monotonic()
+        publishing = driver.clock.now()
         try:
             # Last of all: the Gym manifest is the commit point of the whole checkpoint.
             await asyncio.to_thread(driver.manifest_writer, checkpoint_dir, cid, manifests)
+            driver.timeline.span(cid, COORDINATOR_ROW, "publish", publishing, driver.clock.now())
         except Exception as exc:
             err = exc if isinstance(exc, CheckpointError) else CheckpointError(repr(exc))
             raise coordination_failed("commit", cid, {"gym-manifest": failure(err)}) from None

@@ -14,7 +14,7 @@ from typing import Any
 import click
 import msgspec
 
-from coordination.cli_ops import connect_cli, forget, resume
+from coordination.cli_ops import connect_cli, forget, resume, timeline
 from coordination.cli_output import clock_time, cluster_options, emit, fail, periodic_line
 from coordination.cli_storage import gc_command, list_command
 from coordination.results import ParticipantStatus
@@ -44,6 +44,7 @@ main.add_command(list_command)
 main.add_command(gc_command)
 main.add_command(resume)
 main.add_command(forget)
+main.add_command(timeline)
 
 
 @main.command()

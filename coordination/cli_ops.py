@@ -59,3 +59,38 @@ def forget(rollouts: tuple[str, ...], address: str, namespace: str, as_json: boo
         return
     for who, keys in sorted(res.forgotten.items()):
         click.echo(f"{who}: {', '.join(keys) or '-'}")
+
+
+@click.command()
+@click.argument("which", default="latest", metavar="[CHECKPOINT_ID|latest]")
+@click.option(
+    "-o",
+    "--output",
+    "output",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="File to write.",
+)
+@cluster_options
+def timeline(which: str, output: str, address: str, namespace: str, as_json: bool) -> None:
+    """Write a recent checkpoint as a Chrome trace / Perfetto JSON (one row per participant)."""
+    import json
+    import pathlib
+
+    try:
+        trace = connect_cli(address, namespace).timeline(which)
+    except CheckpointError as exc:
+        fail(exc, as_json)
+    pathlib.Path(output).write_text(json.dumps(trace))
+    info = trace["otherData"]
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    rows = [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"]
+    summary = {**info, "file": output, "rows": rows, "slices": len(slices)}
+    if as_json:
+        emit(summary)
+        return
+    click.echo(
+        f"wrote {output}: {info['op']} {info['checkpoint_id']} ({info['trigger']}, "
+        f"{info['outcome']}), {len(rows) - 1} participants, {len(slices)} slices; "
+        "open it in chrome://tracing or ui.perfetto.dev"
+    )

@@ -66,6 +66,7 @@ from coordination.results import (
     Timeouts,
 )
 from coordination.roots import restore_target, writable
+from coordination.timeline import chrome_trace
 from ray_ckpt.errors import InvalidRequest
 from ray_ckpt.identity import EpisodeId
 
@@ -364,6 +365,10 @@ class Coordinator:
         await self._ready(discover=True)
         st = await self.core.status()
         return msgspec.structs.replace(st, periodic=self.periodic.status())
+
+    async def timeline(self, which: str = "latest") -> dict[str, Any]:
+        """A recent checkpoint (or restore) as a Chrome trace (`coordination.timeline`)."""
+        return chrome_trace(self.core.timeline.get(which))
 
     # --- periodic checkpoints (coordination.periodic_control) -----------------
     async def start_periodic(

@@ -135,6 +135,7 @@ class CoordinatorCore(PhaseDriver):
         manifest, no `LATEST`).  `trigger` (manual, periodic, signal, drain)
         labels its metrics."""
         start = time.monotonic()
+        before = self.timeline.newest("checkpoint")
         try:
             result = await self._checkpoint(
                 checkpoint_dir,
@@ -149,8 +150,12 @@ class CoordinatorCore(PhaseDriver):
             )
         except Exception as exc:
             self.metrics.checkpoint_failed(exc, time.monotonic() - start, trigger)
+            failed = self.timeline.newest("checkpoint")
+            if failed is not None and failed != before:
+                self.timeline.finish(failed, outcome="failed", trigger=trigger)
             raise
         self.metrics.checkpoint_done(result, trigger)
+        self.timeline.finish(result.checkpoint_id, outcome="ok", trigger=trigger)
         return result
 
     async def _checkpoint(
@@ -253,6 +258,7 @@ class CoordinatorCore(PhaseDriver):
             self.metrics.restore_failed(exc, time.monotonic() - start)
             raise
         self.metrics.restore_done(result)
+        self.timeline.finish(result.checkpoint_id, outcome="ok")
         return result
 
     # --- retire / forget ---------------------------------------------------------

@@ -23,17 +23,22 @@ class Outcome:
     replies: dict[str, dict[str, Any]] = field(default_factory=dict)
     errors: dict[str, CheckpointError] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    # When each answered call ran (time.monotonic), for the timeline.
+    windows: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def merge(self, other: Outcome) -> None:
         self.replies.update(other.replies)
         self.errors.update(other.errors)
         self.timings.update(other.timings)
+        self.windows.update(other.windows)
 
 
-async def _timed(host: Host, op: str, body: Mapping[str, Any]) -> tuple[dict[str, Any], float]:
+async def _timed(
+    host: Host, op: str, body: Mapping[str, Any]
+) -> tuple[dict[str, Any], float, float]:
     start = time.monotonic()
     reply = await host.call(op, body)
-    return reply, time.monotonic() - start
+    return reply, start, time.monotonic()
 
 
 async def fan_out(
@@ -68,7 +73,9 @@ async def fan_out(
             continue
         exc = task.exception()
         if exc is None:
-            reply, out.timings[key] = task.result()
+            reply, began, ended = task.result()
+            out.timings[key] = ended - began
+            out.windows[key] = (began, ended)
             if isinstance(reply, Mapping):
                 out.replies[key] = dict(reply)
             else:

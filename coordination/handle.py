@@ -376,6 +376,17 @@ class CoordinatorHandle:
         res: ForgetResult = await self._async("forget", list(rollout_ids))
         return res
 
+    def timeline(self, which: str = "latest") -> dict[str, Any]:
+        """The newest checkpoint ("latest") or one of the last 16 checkpoints and
+        restores by ID, as a Chrome trace / Perfetto JSON object (one row per
+        participant); `InvalidRequest` if the coordinator no longer keeps it."""
+        res: dict[str, Any] = self._sync("timeline", which)
+        return res
+
+    async def atimeline(self, which: str = "latest") -> dict[str, Any]:
+        res: dict[str, Any] = await self._async("timeline", which)
+        return res
+
     # --- status / membership ---------------------------------------------------
     def status(self) -> CoordinatorStatus:
         res: CoordinatorStatus = self._sync("status")

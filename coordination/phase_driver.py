@@ -38,6 +38,7 @@ from coordination.order import Member, resume_groups
 from coordination.pause import ControllerPauses
 from coordination.renewer import LeaseRenewer
 from coordination.results import CommitResult, PrepareResult, ResumeResult, Timeouts
+from coordination.timeline import COORDINATOR_ROW, TimelineRecorder
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
 from ray_ckpt.errors import CheckpointError
 from ray_ckpt.identity import EpisodeId
@@ -72,6 +73,8 @@ class PhaseDriver:
         self._prepare_restarts: set[str] = set()
         self.lock = asyncio.Lock()
         self.pauses = ControllerPauses(self.timeouts, pause_mode)
+        # Each recent checkpoint's and restore's spans (`ray-ckpt timeline`).
+        self.timeline = TimelineRecorder()
         self.renewer = LeaseRenewer(
             self.clock,
             self.timeouts,
@@ -165,8 +168,25 @@ class PhaseDriver:
         if op in ("prepare", "commit"):
             self.renewer.raise_floor(deadline_ts)
         timeout = reply_timeout(self.clock, self.timeouts, deadline_ts)
+        started, mono = self.clock.now(), time.monotonic()
         out = await fan_out(self._hosts(group), op, lambda h: body, timeout)
         self._prune_gone(out)
+        cid = str(body.get("checkpoint_id", ""))
+        if cid:
+            for key, seconds in out.timings.items():
+                # An answered call's own window; a failed one from the group's start.
+                began, ended = out.windows.get(key, (mono, mono + seconds))
+                self.timeline.span(
+                    cid,
+                    key,
+                    op,
+                    started + began - mono,
+                    started + ended - mono,
+                    ok=key not in out.errors,
+                )
+                reply = out.replies.get(key)
+                if reply is not None:
+                    self.timeline.reported(cid, key, reply.get("spans"))
         return out
 
     # --- checkpoint: prepare and commit (`coordination.checkpoint`) -------------
@@ -238,11 +258,14 @@ class PhaseDriver:
                 log.exception("resume of %s at %s raised", cid, [m.key for m in group])
                 out = await self._resume_directly(group, body, deadline_ts)
             failures.update({k: failure(e) for k, e in out.errors.items()})
+        unpausing = self.clock.now()
         try:
             failures.update(await self.pauses.unpause(cid))
         except Exception as exc:
             log.exception("unpausing the controllers after %s raised", cid)
             failures["controllers"] = failure(CheckpointError(f"unpause raised: {exc!r}"[:500]))
+        if self.pauses.targets:
+            self.timeline.span(cid, COORDINATOR_ROW, "resume callers", unpausing, self.clock.now())
         await self._close()
         closing, self._to_close = self._to_close, []
         for host in closing:

@@ -42,6 +42,7 @@ class DemoReport:
     node_killed: str | None = None
     # kind -> node ID, "before" the crash and "after" the restore
     placement: dict[str, dict[str, str]] = field(default_factory=dict)
+    timeline: str | None = None  # the checkpoint's Chrome trace, with --timeline FILE
 
     def add_checkpoint(self, prepared: PrepareResult, committed: CommitResult) -> None:
         self.checkpoint_id = committed.checkpoint_id
@@ -133,6 +134,7 @@ class DemoReport:
             "nodes": self.nodes,
             "node_killed": self.node_killed,
             "placement": self.placement,
+            "timeline": self.timeline,
         }
 
 
@@ -175,6 +177,7 @@ class Ui:
             ("tokens continued from cuts", str(r.tokens_continued)),
             ("lost", ", ".join(r.lost) or "none"),
             ("equal to uninterrupted run", "yes" if r.equal else "NO"),
+            ("timeline (chrome://tracing, Perfetto)", r.timeline or "-"),
             ("passed", "yes" if r.ok else "NO: " + "; ".join(r.problems())),
         ):
             run.add_row(label, value)

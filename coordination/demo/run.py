@@ -60,6 +60,7 @@ class DemoOptions:
     until_signal: bool = False
     resume: str | None = None  # "latest"
     grace_s: float = 25.0
+    timeline: str | None = None  # write the checkpoint's Chrome trace here
 
 
 def fleet_config(opts: DemoOptions, *, suffix: str, namespace: str) -> FleetConfig:
@@ -163,6 +164,11 @@ async def run_demo(opts: DemoOptions, ui: Ui, ray_nodes: LocalRay | None = None)
                     handle, replacement, session, ckpt_dir, scope, rollouts
                 )
             report.add_restore(cont)
+            if opts.timeline:
+                # The checkpoint's picture, its resume to the dead hosts included.
+                trace = await handle.atimeline(committed.checkpoint_id)
+                await asyncio.to_thread(write_json, opts.timeline, trace)
+                report.timeline = opts.timeline
             remaining = len(rollouts.running)
             with ui.phase("continued rollouts", total=remaining) as advance:
                 rollouts.on_event = lambda _e, _r: advance()
@@ -175,6 +181,11 @@ async def run_demo(opts: DemoOptions, ui: Ui, ray_nodes: LocalRay | None = None)
             await replacement.stop()
         fleet.kill()
         _kill_coordinator(handle)
+
+
+def write_json(path: str, value: Any) -> None:
+    with open(path, "wb") as f:
+        f.write(msgspec.json.encode(value))
 
 
 def _node_of(_self: Any) -> str:
@@ -238,6 +249,12 @@ def _kill_coordinator(handle: Any) -> None:
     show_default=True,
     type=click.FloatRange(min=0, min_open=True),
     help="With --until-signal: the seconds a signal's checkpoint must fit in.",
+)
+@click.option(
+    "--timeline",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Write the checkpoint as a Chrome trace / Perfetto JSON to this file.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
 def demo_cli(as_json: bool, namespace: str | None, **kwargs: Any) -> None:

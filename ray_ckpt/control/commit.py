@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ray_ckpt.control.phase_machine import Phase
@@ -54,6 +54,12 @@ class Write:
     manifest: Any = None
     released: bool = False
     parked: bool = False
+    # What this write did when, for the coordinator's timeline: (name, start,
+    # end) in the controller's clock (epoch seconds), answered with the commit.
+    spans: list[tuple[str, float, float]] = field(default_factory=list)
+
+    def span_dicts(self) -> list[dict[str, Any]]:
+        return [{"name": n, "start": a, "end": b} for n, a, b in self.spans]
 
     def check_same(self, req: CommitRequest, scope: CommitScope) -> None:
         """Another commit of the checkpoint must name this write's directory and scope."""
@@ -93,13 +99,16 @@ class Commits:
             named = sorted(e.capture_key for e in scope if e.capture_key in restarts)
             if named:
                 raise RestartInScope(f"commit scope names restart-only episodes {named}")
+        started = c.clock.now()
         records = await within(c.clock, req, "export", c.participant.export(scope))
         if scope is not None:
             wanted = {e.capture_key for e in scope}
             records = [r for r in records if r.key in wanted]
         for record in records:
             check_json(record.state, episode=record.key)
-        return Write(req.checkpoint_dir, scope, records, c.store.new_stop())
+        write = Write(req.checkpoint_dir, scope, records, c.store.new_stop())
+        write.spans.append(("capture", started, c.clock.now()))
+        return write
 
     def start(self, write: Write, req: CommitRequest) -> asyncio.Task[Any]:
         """The store write's task: started on the first try, and started again
@@ -110,6 +119,7 @@ class Commits:
             task is not None and task.done() and (task.cancelled() or task.exception() is not None)
         )
         if task is None or failed:
+            started = c.clock.now()
             task = write.task = asyncio.ensure_future(
                 asyncio.to_thread(
                     c.store.write,
@@ -120,6 +130,10 @@ class Commits:
                     records=write.records,
                     stop=write.stop,
                 )
+            )
+            # Encode, hash, write, fsync and publish: the store does them as one.
+            task.add_done_callback(
+                lambda _t: write.spans.append(("write", started, c.clock.now()))
             )
         return task
 
@@ -132,16 +146,19 @@ class Commits:
         repeated.
         """
         c = self._controller
+        started = c.clock.now()
         if scope is not None and not write.released:
             await within(c.clock, req, "release unscoped", c.participant.delete_restored(scope))
         write.released = True
         if req.stop and not write.parked:
             await self._park_exported(req, write.records)
         write.parked = True
+        write.spans.append(("release", started, c.clock.now()))
         return {
             "phase": Phase.COMMITTED.value,
             "manifest": to_builtins(write.manifest),
             "episode_ids": sorted(r.key for r in write.records),
+            "spans": write.span_dicts(),
         }
 
     async def _park_exported(self, req: CommitRequest, records: list[Record]) -> None:

@@ -24,6 +24,7 @@ async def test_demo_continues_every_rollout_and_equals_the_uninterrupted_run(
         step_delay_s=0.1,
         verify_delay_s=0.15,
         stagger_s=0.3,
+        timeline=str(tmp_path / "timeline.json"),
     )
     report = await run_demo(opts, Ui())
     summary = report.summary()
@@ -43,3 +44,17 @@ async def test_demo_continues_every_rollout_and_equals_the_uninterrupted_run(
         "resources/ref-resources",
     }
     assert (tmp_path / "ckpt" / "gym" / "_manifest.json").exists()
+    # --timeline: the checkpoint's trace, every participant a row with its phases.
+    import json
+
+    assert summary["timeline"] == str(tmp_path / "timeline.json")
+    trace = json.loads((tmp_path / "timeline.json").read_text())
+    assert trace["otherData"]["checkpoint_id"] == summary["checkpoint_id"]
+    rows = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert set(rows.values()) == {"coordinator", *report.per_participant}
+    for tid, row in rows.items():
+        if row == "coordinator":
+            continue
+        names = [e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == tid]
+        assert names[:2] == ["prepare", "commit"], (row, names)
+        assert {"capture", "write", "release", "resume"} <= set(names), (row, names)

@@ -59,6 +59,26 @@ async def test_status_checkpoint_inspect_restore_retire(namespace: str, tmp_path
         code, out = run("inspect", ckpt, "--json")
         assert code == 0 and json.loads(out)["ok"] is True
 
+        # The checkpoint as a Chrome trace: one row per participant, its phases in order.
+        trace_file = tmp_path / "timeline.json"
+        code, out = run("timeline", "latest", "-o", str(trace_file), *ns, "--json")
+        assert code == 0, out
+        summary = json.loads(out)
+        assert summary["rows"] == ["coordinator", "environment/cli"]
+        assert (summary["op"], summary["outcome"]) == ("checkpoint", "ok")
+        trace = json.loads(trace_file.read_text())
+        slices = [e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == 1]
+        assert [n for n in slices if n in ("prepare", "commit", "resume")] == [
+            "prepare",
+            "commit",
+            "resume",
+        ]
+        assert {"capture", "write", "release"} <= set(slices)
+        code, out = run("timeline", "ckpt-unknown", "-o", str(tmp_path / "x.json"), *ns, "--json")
+        assert code == 1
+        assert json.loads(out)["error"]["code"] == "invalid_request"
+        assert not (tmp_path / "x.json").exists()
+
         # Per episode of the scope: continued or restarted; --strict refuses the latter.
         scoped = ["--scope", "e1", "--scope", "ghost"]
         code, out = run("checkpoint", str(tmp_path / "scoped"), *scoped, *ns)
