@@ -9,13 +9,21 @@ Every command that talks to the cluster attaches with `--address` (default
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 import click
 import msgspec
 
 from coordination.cli_ops import connect_cli, forget, resume, timeline
-from coordination.cli_output import clock_time, cluster_options, emit, fail, periodic_line
+from coordination.cli_output import (
+    cluster_options,
+    emit,
+    fail,
+    last_checkpoint_line,
+    lease_left,
+    periodic_line,
+)
 from coordination.cli_storage import gc_command, list_command
 from coordination.results import ParticipantStatus
 from ray_ckpt.errors import CheckpointError, InvalidRequest
@@ -67,21 +75,24 @@ def status(address: str, namespace: str, as_json: bool) -> None:
         else "no checkpoint open"
     )
     table = Table(title=title)
-    # The participant name already says its kind (`<kind>/<server>`): keep it whole.
     table.add_column("participant", no_wrap=True)
-    for col in ("phase", "checkpoint", "lease until", "live", "blockers"):
+    for col in ("kind", "phase", "checkpoint", "lease left", "live", "writes", "blockers"):
         table.add_column(col)
+    now = st.now if st.now is not None else time.time()
     for p in st.participants:
         blockers = ", ".join(_blocker_cell(p)[:5]) + (" …" if p.blocker_count > 5 else "")
         table.add_row(
             p.participant,
+            p.kind,
             p.phase or f"[red]{p.error or '?'}[/red]",
             p.checkpoint_id or "-",
-            clock_time(p.lease_expires_at),
+            lease_left(p.lease_expires_at, now),
             "-" if p.live_executions is None else str(p.live_executions),
+            "-" if p.writes_in_flight is None else str(p.writes_in_flight),
             blockers or "-",
         )
     Console().print(table)
+    click.echo(last_checkpoint_line(st.last_checkpoint, now))
     if st.periodic is not None:
         click.echo(periodic_line(st.periodic))
 

@@ -14,7 +14,7 @@ from typing import Any, NoReturn, TypeVar
 import click
 import msgspec
 
-from coordination.results import PeriodicStatus
+from coordination.results import LastCheckpoint, PeriodicStatus
 from ray_ckpt.errors import CheckpointError, CoordinationFailed
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -52,11 +52,22 @@ def fail(exc: CheckpointError, as_json: bool) -> NoReturn:
     sys.exit(1)
 
 
-def clock_time(ts: float | None) -> str:
-    """Local wall time of day (status: lease expiries, minutes away)."""
-    if ts is None:
+def lease_left(expires_at: float | None, now: float) -> str:
+    """Seconds until a participant's lease lapses ("-": none held)."""
+    if expires_at is None:
         return "-"
-    return datetime.datetime.fromtimestamp(ts).strftime("%H:%M:%S")
+    left = expires_at - now
+    return f"{left:.0f}s" if left > 0 else "lapsed"
+
+
+def last_checkpoint_line(last: LastCheckpoint | None, now: float) -> str:
+    if last is None:
+        return "last checkpoint: none by this coordinator"
+    return (
+        f"last checkpoint: {last.checkpoint_id} ({last.trigger}) "
+        f"{max(now - last.finished_at, 0):.0f}s ago, took {last.total_s:.3f}s, "
+        f"{size(last.bytes)}, in {last.checkpoint_dir}"
+    )
 
 
 def utc_time(ts: float) -> str:

@@ -33,6 +33,7 @@ from coordination.results import (
     CommitResult,
     CoordinatorStatus,
     ForgetResult,
+    LastCheckpoint,
     PrepareResult,
     RestoreResult,
     ResumeResult,
@@ -66,6 +67,7 @@ class CoordinatorCore(PhaseDriver):
         self.unlisted_reader = unlisted_reader
         # Off Ray a null sink; the actor passes Ray's (`coordination.metrics`).
         self.metrics = metrics or CoordinatorMetrics()
+        self.last_checkpoint: LastCheckpoint | None = None
 
     # --- checkpoint ------------------------------------------------------------
     async def prepare(self, deadline_s: float | None = None) -> PrepareResult:
@@ -155,6 +157,14 @@ class CoordinatorCore(PhaseDriver):
                 self.timeline.finish(failed, outcome="failed", trigger=trigger)
             raise
         self.metrics.checkpoint_done(result, trigger)
+        self.last_checkpoint = LastCheckpoint(
+            checkpoint_id=result.checkpoint_id,
+            checkpoint_dir=result.checkpoint_dir,
+            finished_at=self.clock.now(),
+            total_s=result.total_s,
+            bytes=result.total_bytes,
+            trigger=trigger,
+        )
         self.timeline.finish(result.checkpoint_id, outcome="ok", trigger=trigger)
         return result
 
@@ -330,6 +340,8 @@ class CoordinatorCore(PhaseDriver):
             pause_mode=self.pauses.mode,
             controllers=sorted(self.pauses.targets),
             participants=rows,
+            last_checkpoint=self.last_checkpoint,
+            now=self.clock.now(),
         )
 
     async def recover(self) -> str | None:

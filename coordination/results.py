@@ -117,6 +117,8 @@ class ParticipantStatus(msgspec.Struct, frozen=True, kw_only=True):
     # from `report.blocker_details`, or object-shaped `blockers` of older
     # participants; just `{"key"}` for a participant that sends strings only.
     blocker_details: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    # Commit writes under way (None: a participant that does not say).
+    writes_in_flight: int | None = None
     error: str | None = None
 
 
@@ -143,6 +145,17 @@ class PeriodicStatus(msgspec.Struct, frozen=True, kw_only=True):
     last_retention_error: dict[str, Any] | None = None
 
 
+class LastCheckpoint(msgspec.Struct, frozen=True, kw_only=True):
+    """The newest checkpoint this coordinator completed (`checkpoint()`)."""
+
+    checkpoint_id: str
+    checkpoint_dir: str
+    finished_at: float  # epoch seconds
+    total_s: float
+    bytes: int
+    trigger: str
+
+
 class CoordinatorStatus(msgspec.Struct, frozen=True, kw_only=True):
     open_checkpoint: str | None
     phase: str | None
@@ -150,3 +163,5 @@ class CoordinatorStatus(msgspec.Struct, frozen=True, kw_only=True):
     controllers: list[str]
     participants: list[ParticipantStatus]
     periodic: PeriodicStatus | None = None
+    last_checkpoint: LastCheckpoint | None = None
+    now: float | None = None  # the coordinator's clock when it answered (ages, leases)

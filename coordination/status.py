@@ -64,4 +64,5 @@ def status_row(host: Host, task: asyncio.Future[dict[str, Any]]) -> ParticipantS
         blockers=blocker_keys(report),
         blocker_count=blocker_count(report),
         blocker_details=blocker_details(report),
+        writes_in_flight=int_or_none(s.get("writes_in_flight")),
     )

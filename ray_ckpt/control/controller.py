@@ -118,7 +118,7 @@ class ParticipantController:
             outcome = "ok"
             return reply
         finally:
-            self.observer.call_done(op, self.clock.now() - start, outcome, len(self._writes))
+            self.observer.call_done(op, self.clock.now() - start, outcome, self.writes_in_flight)
 
     async def _dispatch(self, op: str, body: bytes | dict[str, Any]) -> dict[str, Any]:
         req = decode_request(op, body)
@@ -128,8 +128,8 @@ class ParticipantController:
 
     @property
     def writes_in_flight(self) -> int:
-        """Commit writes under way (each stops at its resume or lease expiry)."""
-        return len(self._writes)
+        """Commit writes whose store write has not finished yet."""
+        return sum(1 for w in self._writes.values() if w.task is not None and not w.task.done())
 
     # --- status ------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -142,6 +142,7 @@ class ParticipantController:
             "retired_rollouts": len(self.retired),
             "retiring": self._retiring_now(),
             "live_executions": self.participant.live_executions(),
+            "writes_in_flight": self.writes_in_flight,
             "report": report_reply(self.participant.report(MAX_REPORTED_BLOCKERS)),
         }
 

@@ -49,3 +49,6 @@ async def test_sigusr1_through_the_handle_checkpoints_and_goes_on(e2e: E2E) -> N
     assert sorted(rollouts.results) == sorted(rollouts.tasks)  # all went on to the end
     status = await gym.astatus()
     assert status.open_checkpoint is None
+    # The timeline names what started it.
+    trace = await gym.atimeline(str(out.checkpoint_id))
+    assert (trace["otherData"]["trigger"], trace["otherData"]["outcome"]) == ("signal", "ok")

@@ -122,3 +122,7 @@ async def test_the_coordinator_moves_a_drained_node_s_hosts_and_every_episode_co
     assert_exactly_once(rollouts, tally, expected)
     assert out.location is not None
     assert (root / out.location.rsplit("/", 1)[-1] / "gym" / "_manifest.json").exists()
+    # The coordinator's timeline names what started the checkpoint.
+    assert out.checkpoint_id is not None
+    trace = await gym.atimeline(out.checkpoint_id)
+    assert trace["otherData"]["trigger"] == "drain"

@@ -56,6 +56,20 @@ async def test_status_checkpoint_inspect_restore_retire(namespace: str, tmp_path
         code, out = run("checkpoint", ckpt, *ns, "--json")
         assert code == 0, out
         assert json.loads(out)["episode_ids"] == {"environment/cli": ["e1"]}
+        first = json.loads(out)
+        # status: the last checkpoint, the kind, writes in flight and the lease.
+        code, out = run("status", *ns, "--json")
+        st = json.loads(out)
+        assert st["last_checkpoint"]["checkpoint_id"] == first["checkpoint_id"]
+        assert st["last_checkpoint"]["bytes"] == first["total_bytes"]
+        assert st["last_checkpoint"]["trigger"] == "manual"
+        assert st["participants"][0]["writes_in_flight"] == 0
+        assert st["participants"][0]["kind"] == "environment"
+        code, out = run("status", *ns)
+        assert code == 0
+        for header in ("kind", "lease", "writes"):  # rich may wrap a header cell
+            assert header in out
+        assert f"last checkpoint: {first['checkpoint_id']} (manual)" in out
         code, out = run("inspect", ckpt, "--json")
         assert code == 0 and json.loads(out)["ok"] is True
 

@@ -412,3 +412,24 @@ async def test_a_retried_commit_restarts_a_write_that_was_cancelled() -> None:
     await asyncio.sleep(0.05)
     reply = await c.handle("commit", body("c1", checkpoint_dir="/ck"))
     assert reply["phase"] == "committed" and reply["episode_ids"] == ["r1"]
+
+
+async def test_status_counts_the_write_in_flight_and_the_reply_has_its_slices() -> None:
+    c, p, store, _ = make()
+    p.start("r1", at_boundary=True, state=1)
+    await c.handle("prepare", body("c1"))
+    assert c.status()["writes_in_flight"] == 0
+    store.write_gate = threading.Event()
+    commit = asyncio.create_task(c.handle("commit", body("c1", checkpoint_dir="/ck")))
+    for _ in range(100):  # until the store's thread holds the write
+        if store.writes:
+            break
+        await asyncio.sleep(0.01)
+    assert c.status()["writes_in_flight"] == 1
+    store.write_gate.set()
+    reply = await commit
+    assert c.status()["writes_in_flight"] == 0
+    # What the commit did, in order, for the coordinator's timeline.
+    spans = reply["spans"]
+    assert [s["name"] for s in spans] == ["capture", "write", "release"]
+    assert all(s["start"] <= s["end"] for s in spans)

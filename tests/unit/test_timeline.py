@@ -42,7 +42,7 @@ async def test_every_participant_and_phase_is_there_in_order() -> None:
     assert (info["trigger"], info["outcome"]) == ("signal", "ok")
     rows = by_row(trace)
     assert set(rows) == {COORDINATOR_ROW, *fleet.parts}
-    assert list(rows)[0] == COORDINATOR_ROW
+    assert next(iter(rows)) == COORDINATOR_ROW
     for key in fleet.parts:
         names = [e["name"] for e in rows[key]]
         phases = [n for n in names if n in ("prepare", "commit", "resume")]
