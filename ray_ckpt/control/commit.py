@@ -22,12 +22,21 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from ray_ckpt.control.phase_machine import Phase
 from ray_ckpt.control.timing import within
 from ray_ckpt.control.wire import MAX_REPORTED_BLOCKERS, CommitRequest, to_builtins
-from ray_ckpt.errors import CheckpointConflict, DeadlineExceeded, InvalidPhase, RestartInScope
+from ray_ckpt.errors import (
+    CheckpointConflict,
+    DeadlineExceeded,
+    InvalidCheckpointState,
+    InvalidPhase,
+    RestartInScope,
+)
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage.record import Record, check_json
+from ray_ckpt.storage.records_format import StateEncoder
 from ray_ckpt.storage.seam import StopHandle
 
 if TYPE_CHECKING:
@@ -88,9 +97,14 @@ class Commits:
         # clock are public attributes a host or a test may replace.
         self._controller = controller
 
-    async def export(self, req: CommitRequest, scope: CommitScope) -> Write:
+    async def export(
+        self, req: CommitRequest, scope: CommitScope, *, capture: bool = False
+    ) -> Write:
         """From a still-ready participant, export the scope (restart-only
-        episodes refused) into the checkpoint's one `Write`."""
+        episodes refused) into the checkpoint's one `Write`.  `capture`: encode
+        each state to bytes now (`msgspec.Raw`, written as it is), a true copy
+        that the live state's later changes cannot reach (the asynchronous
+        commit writes after the resume)."""
         c = self._controller
         if not c.participant.ready():
             raise InvalidPhase(f"{c.kind}/{c.instance} is no longer ready")
@@ -106,6 +120,8 @@ class Commits:
             records = [r for r in records if r.key in wanted]
         for record in records:
             check_json(record.state, episode=record.key)
+        if capture:
+            records = await asyncio.to_thread(captured, records)
         write = Write(req.checkpoint_dir, scope, records, c.store.new_stop())
         write.spans.append(("capture", started, c.clock.now()))
         return write
@@ -132,9 +148,7 @@ class Commits:
                 )
             )
             # Encode, hash, write, fsync and publish: the store does them as one.
-            task.add_done_callback(
-                lambda _t: write.spans.append(("write", started, c.clock.now()))
-            )
+            task.add_done_callback(lambda _t: write.spans.append(("write", started, c.clock.now())))
         return task
 
     async def finish(self, req: CommitRequest, scope: CommitScope, write: Write) -> dict[str, Any]:
@@ -176,3 +190,20 @@ class Commits:
             if isinstance(exc, DeadlineExceeded):
                 raise
             log.warning("%s/%s: park_exported failed", c.kind, c.instance, exc_info=True)
+
+
+def captured(records: list[Record]) -> list[Record]:
+    """Each record's state as its encoded bytes (what the store writes as is)."""
+    encoder = StateEncoder()
+    out: list[Record] = []
+    for r in records:
+        try:
+            raw = msgspec.Raw(encoder.encode_state(r.state))
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise InvalidCheckpointState(f"episode {r.key}: cannot store state: {exc}") from exc
+        out.append(Record(r.key, raw, r.version))
+    return out
+
+
+def captured_bytes(records: list[Record]) -> int:
+    return sum(len(r.state) for r in records if isinstance(r.state, msgspec.Raw))

@@ -25,6 +25,7 @@ from typing import Any
 
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
 from ray_ckpt.control import shielded
+from ray_ckpt.control.background import BackgroundWrites
 from ray_ckpt.control.commit import Commits, Write
 from ray_ckpt.control.observer import ControlObserver
 from ray_ckpt.control.phase_machine import ControlState, Effect, Event, Phase, Transition
@@ -81,6 +82,8 @@ class ParticipantController:
         # participant without a `retiring()` hook.
         self._retiring: Counter[EpisodeId] = Counter()
         self._lease = LeaseWatcher(self)
+        # The asynchronous commit's write, running past its checkpoint's resume.
+        self._background = BackgroundWrites()
         # Told of every call and lease expiry (the host's metrics); none off Ray.
         self.observer: ControlObserver | None = None
         participant.bind(self.notify)
@@ -128,8 +131,10 @@ class ParticipantController:
 
     @property
     def writes_in_flight(self) -> int:
-        """Commit writes whose store write has not finished yet."""
-        return sum(1 for w in self._writes.values() if w.task is not None and not w.task.done())
+        """Commit writes whose store write has not finished yet (an asynchronous
+        commit's included, which outlives its checkpoint)."""
+        running = sum(1 for w in self._writes.values() if w.task is not None and not w.task.done())
+        return running + (1 if self._background.busy() is not None else 0)
 
     # --- status ------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -143,6 +148,7 @@ class ParticipantController:
             "retiring": self._retiring_now(),
             "live_executions": self.participant.live_executions(),
             "writes_in_flight": self.writes_in_flight,
+            "background_write": self._background.status(),
             "report": report_reply(self.participant.report(MAX_REPORTED_BLOCKERS)),
         }
 
@@ -175,6 +181,22 @@ class ParticipantController:
                     await self._apply(self.state.fire(Event.CLOSE_FAILED))
                     raise
             self._renew(req)
+        # One captured copy at most: the previous asynchronous commit's write
+        # ends before this checkpoint captures anything.
+        busy = self._background.busy()
+        if busy is not None and not await self._background.wait_idle(
+            max(req.deadline_ts - self.clock.now(), 0.0)
+        ):
+            report = report_reply(self.participant.report(MAX_REPORTED_BLOCKERS))
+            key = f"write-in-flight:{busy}"
+            report["ready"] = False
+            report["blockers"] = [key, *report["blockers"]]
+            report["blocker_details"] = [
+                {"key": key, "state": "writing"},
+                *report["blocker_details"],
+            ]
+            report["blocker_count"] += 1
+            return {"phase": self.state.phase.value, "report": report}
         # Wait outside the lock so a resume can interrupt this prepare.
         await self._ready.wait(req)
         async with self._lock:
@@ -284,6 +306,7 @@ class ParticipantController:
     async def aclose(self) -> None:
         await self._lease.stop()
         await self._restores.aclose()
+        await self._background.aclose()
         for write in list(self._writes.values()):
             await write.close()
         self._writes.clear()

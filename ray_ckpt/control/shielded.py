@@ -17,12 +17,13 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from ray_ckpt.control.commit import Write
+from ray_ckpt.control.background import Pending
+from ray_ckpt.control.commit import Write, captured_bytes
 from ray_ckpt.control.phase_machine import Event, Phase
 from ray_ckpt.control.restore import restore_reply
 from ray_ckpt.control.timing import within
 from ray_ckpt.control.wire import CommitRequest, RestoreRequest
-from ray_ckpt.errors import InvalidCheckpointState
+from ray_ckpt.errors import CheckpointConflict, InvalidCheckpointState, InvalidRequest
 from ray_ckpt.identity import EpisodeId
 
 if TYPE_CHECKING:
@@ -32,6 +33,12 @@ if TYPE_CHECKING:
 async def commit(c: ParticipantController, req: CommitRequest) -> dict[str, Any]:
     cid = req.checkpoint_id
     scope = tuple(req.episode_ids) if req.episode_ids is not None else None
+    if c._background.knows(cid):
+        # The commit of an asynchronous checkpoint, re-sent: wait for its write
+        # (never stopping it), whether this participant has resumed since or not.
+        return await c._background.outcome(cid, req.remaining(c.clock.now()))
+    if req.durability == "async":
+        return await _commit_async(c, req, scope)
     async with c._lock:
         write = c._writes.get(cid)
         if write is not None:
@@ -64,6 +71,45 @@ async def commit(c: ParticipantController, req: CommitRequest) -> dict[str, Any]
             # A concurrent retry of this commit finished it first.
             return dict(cached)
         return await _finish_commit(c, req, scope, write)
+
+
+async def _commit_async(
+    c: ParticipantController, req: CommitRequest, scope: tuple[EpisodeId, ...] | None
+) -> dict[str, Any]:
+    """Capture, answer `pending`, and leave the write to `c._background`."""
+    cid = req.checkpoint_id
+    if req.stop:
+        raise InvalidRequest(
+            "stop needs durability sync: a participant that stops frees its state once "
+            "it is durable, and an asynchronous commit answers before that"
+        )
+    async with c._lock:
+        cached = c.state.admit("commit", cid)
+        if cached is not None:
+            return dict(cached)
+        c._renew(req)
+        busy = c._background.busy()
+        if busy is not None:  # the prepare waited for it; a commit without one did not
+            raise CheckpointConflict(f"the write of {busy} still runs; prepare waits for it")
+        write = await c._commits.export(req, scope, capture=True)
+        if scope is not None:
+            # The capture holds the bytes: freeing restored state the scope
+            # leaves out cannot change what is written.
+            await within(c.clock, req, "release unscoped", c.participant.delete_restored(scope))
+        write.released = write.parked = True
+        task = c._commits.start(write, req)
+        size = captured_bytes(write.records)
+        reply = {
+            "phase": Phase.COMMITTED.value,
+            "pending": True,
+            "episode_ids": sorted(r.key for r in write.records),
+            "captured_bytes": size,
+            "spans": write.span_dicts(),
+        }
+        c._background.adopt(Pending(cid, write, task, size), reply)
+        c.state.fire(Event.COMMIT)
+        c.state.cache("commit", cid, reply)
+        return dict(reply)
 
 
 async def _finish_commit(

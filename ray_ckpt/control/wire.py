@@ -9,7 +9,7 @@ absolute Unix-epoch deadline of the call.  New fields get defaults.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -51,6 +51,10 @@ class CommitRequest(CheckpointRequest, frozen=True, forbid_unknown_fields=True, 
     episode_ids: list[EpisodeId] | None = None
     # The controller stops instead of resuming: free external compute once durable.
     stop: bool = False
+    # "async": answer `pending` once the records are captured and write them
+    # after the resume (`ray_ckpt.control.background`); re-send the commit to
+    # wait for durability.  NeMo Gym's controllers send none: "sync".
+    durability: Literal["sync", "async"] = "sync"
 
 
 class RestoreRequest(CheckpointRequest, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -1,0 +1,134 @@
+"""The asynchronous commit's write: captured under the pause, stored after it.
+
+A commit with `"durability": "async"` captures the records (encoded to bytes:
+the copy a later mutation of live state cannot reach), answers `pending`,
+and leaves the store write running here, outside the checkpoint's write
+registry, so the resume that reopens admission does not stop it.  At most
+one runs per participant: the next prepare waits for it.  When it ends, its
+outcome (the manifest, or the typed error) is kept for the last few IDs, so
+the coordinator's re-sent commit of the same ID is answered whether it comes
+before or after the write finished, and whether or not the participant has
+resumed since.
+
+A crash before the write is durable publishes nothing: the store creates
+the manifest last, so the directory stays incomplete and the previous
+checkpoint stays the restorable one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from ray_ckpt.control.commit import Write
+from ray_ckpt.control.wire import to_builtins
+from ray_ckpt.errors import CheckpointError, DeadlineExceeded, InvalidCheckpointState
+
+OUTCOMES_KEPT = 8
+
+
+@dataclass
+class Pending:
+    checkpoint_id: str
+    write: Write
+    task: asyncio.Task[Any]
+    captured_bytes: int
+
+
+class BackgroundWrites:
+    def __init__(self) -> None:
+        self.current: Pending | None = None
+        # checkpoint ID -> the final commit reply, or the write's error
+        self._outcomes: OrderedDict[str, dict[str, Any] | CheckpointError] = OrderedDict()
+        self._replies: dict[str, dict[str, Any]] = {}  # the pending reply, until it ends
+
+    def knows(self, checkpoint_id: str) -> bool:
+        """This ID's commit was asynchronous (its write runs or has ended)."""
+        running = self.current is not None and self.current.checkpoint_id == checkpoint_id
+        return running or checkpoint_id in self._outcomes
+
+    def busy(self) -> str | None:
+        """The ID whose write still runs, if any."""
+        if self.current is not None and not self.current.task.done():
+            return self.current.checkpoint_id
+        return None
+
+    def adopt(self, pending: Pending, reply: dict[str, Any]) -> None:
+        """Run `pending`'s write to its end; `reply` (with the manifest added) is
+        the answer of every re-sent commit of its ID once it is durable."""
+        self.current = pending
+        self._replies[pending.checkpoint_id] = reply
+        pending.task.add_done_callback(lambda _t: self._settle(pending))
+
+    def _settle(self, pending: Pending) -> None:
+        """Record a finished write's outcome (idempotent)."""
+        cid, task = pending.checkpoint_id, pending.task
+        if cid in self._outcomes or not task.done():
+            return
+        outcome: dict[str, Any] | CheckpointError
+        if task.cancelled():
+            outcome = InvalidCheckpointState(
+                f"the write of {cid} was stopped before it was durable"
+            )
+        elif (exc := task.exception()) is not None:
+            outcome = (
+                exc
+                if isinstance(exc, CheckpointError)
+                else InvalidCheckpointState(f"the write of {cid} failed: {exc!r}"[:500])
+            )
+        else:
+            pending.write.manifest = task.result()
+            outcome = {
+                **self._replies.pop(cid, {}),
+                "manifest": to_builtins(task.result()),
+                "spans": pending.write.span_dicts(),  # the write's own slice now included
+            }
+            outcome.pop("pending", None)
+        self._replies.pop(cid, None)
+        self._outcomes[cid] = outcome
+        while len(self._outcomes) > OUTCOMES_KEPT:
+            self._outcomes.popitem(last=False)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait (at most `timeout_s`) for the write in flight; True once none runs."""
+        current = self.current
+        if current is None or current.task.done():
+            return True
+        await asyncio.wait({current.task}, timeout=max(timeout_s, 0.0))
+        return current.task.done()
+
+    async def outcome(self, checkpoint_id: str, timeout_s: float) -> dict[str, Any]:
+        """The final reply of `checkpoint_id`'s write, waiting for it at most
+        `timeout_s` (the write itself is never stopped by this wait); raises
+        the write's error, or `DeadlineExceeded` if it is still running."""
+        current = self.current
+        if current is not None and current.checkpoint_id == checkpoint_id:
+            if not await self.wait_idle(timeout_s):
+                raise DeadlineExceeded(
+                    f"the write of {checkpoint_id} is not durable yet; commit again to wait more"
+                )
+            self._settle(current)
+        found = self._outcomes.get(checkpoint_id)
+        if found is None:
+            raise InvalidCheckpointState(f"no asynchronous write of {checkpoint_id} is known")
+        if isinstance(found, CheckpointError):
+            raise found
+        return dict(found)
+
+    def status(self) -> dict[str, Any] | None:
+        """The write in flight, for `status` (None when none runs)."""
+        busy = self.busy()
+        if busy is None or self.current is None:
+            return None
+        return {"checkpoint_id": busy, "captured_bytes": self.current.captured_bytes}
+
+    async def aclose(self) -> None:
+        """Stop the write in flight (a host that stops publishes nothing half-done)."""
+        current = self.current
+        if current is not None and not current.task.done():
+            await current.write.halt()
+            with contextlib.suppress(BaseException):
+                await current.task
