@@ -109,6 +109,7 @@ async def commit(
     strict: bool = False,
     deadline_s: float | None = None,
     publish_by: float | None = None,
+    durability: str = "sync",
 ) -> CommitResult:
     """Commit the prepared checkpoint everywhere, then the Gym manifest (lock held).
 
@@ -145,6 +146,8 @@ async def commit(
             "episode_ids": None if scope is None else [episode_body(e) for e in scope],
             "stop": stop,
         }
+        if durability == "async":
+            body["durability"] = "async"  # only then: older participants forbid the field
         barrier = driver.pauses.commit_roles()
         out = Outcome()
         try:
@@ -162,6 +165,23 @@ async def commit(
             raise RestartInScope(
                 f"commit of {cid} refused (strict): no participant holds state for "
                 f"{restart}; they would start over"
+            )
+        if durability == "async":
+            # Captured, not yet durable: no Gym manifest until every write is
+            # (`coordination.async_commit`, after the resume).
+            return CommitResult(
+                checkpoint_id=cid,
+                checkpoint_dir=checkpoint_dir,
+                seconds=time.monotonic() - start,
+                manifest_s=0.0,
+                timings=out.timings,
+                bytes={
+                    k: int_or_none(r.get("captured_bytes")) or 0 for k, r in out.replies.items()
+                },
+                episode_ids=exported,
+                continued=continued,
+                restart=restart,
+                pending=True,
             )
         manifests = [dict(as_mapping(r.get("manifest"))) for _, r in sorted(out.replies.items())]
         late = None if publish_by is None else driver.clock.now() - publish_by

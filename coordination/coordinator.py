@@ -57,6 +57,7 @@ from coordination.results import (
     CheckpointResult,
     CommitResult,
     CoordinatorStatus,
+    DurableResult,
     ForgetResult,
     PeriodicStatus,
     PrepareResult,
@@ -308,6 +309,7 @@ class Coordinator:
         strict: bool = False,
         total_s: float | None = None,
         trigger: str = "manual",
+        durability: str = "sync",
     ) -> CheckpointResult:
         if trigger not in TRIGGERS:
             raise InvalidRequest(f"trigger must be one of {list(TRIGGERS)}, not {trigger!r}")
@@ -327,7 +329,12 @@ class Coordinator:
             scope_source=self.scope_source,
             total_s=total_s,
             trigger=trigger,
+            durability=durability,
         )
+
+    async def durable(self, checkpoint_id: str) -> DurableResult:
+        """An asynchronous checkpoint once its Gym manifest is written."""
+        return await self.core.durable(checkpoint_id)
 
     async def restore(
         self,

@@ -13,11 +13,13 @@ in order, status and recover.  The phases themselves are `PhaseDriver`'s
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
+from coordination.async_commit import PendingWrites, confirm_durable
 from coordination.calls import coordination_failed, episode_body, new_id
 from coordination.fanout import failure
 from coordination.hosts import Host
@@ -32,6 +34,7 @@ from coordination.results import (
     CheckpointResult,
     CommitResult,
     CoordinatorStatus,
+    DurableResult,
     ForgetResult,
     LastCheckpoint,
     PrepareResult,
@@ -68,6 +71,8 @@ class CoordinatorCore(PhaseDriver):
         # Off Ray a null sink; the actor passes Ray's (`coordination.metrics`).
         self.metrics = metrics or CoordinatorMetrics()
         self.last_checkpoint: LastCheckpoint | None = None
+        # Asynchronous checkpoints resumed and not yet published.
+        self.pending = PendingWrites()
 
     # --- checkpoint ------------------------------------------------------------
     async def prepare(self, deadline_s: float | None = None) -> PrepareResult:
@@ -126,8 +131,13 @@ class CoordinatorCore(PhaseDriver):
         scope_source: ScopeSource | None = None,
         total_s: float | None = None,
         trigger: str = "manual",
+        durability: str = "sync",
     ) -> CheckpointResult:
         """prepare → commit → Gym manifest → resume (unless kept open to publish).
+
+        `durability="async"`: prepare → commit (captured) → resume, returned
+        `pending`; every write durable and then the Gym manifest follow in the
+        background (`durable(checkpoint_id)`, `coordination.async_commit`).
 
         Without a scope, `scope_source` (the assembler's in-flight episodes)
         is asked after the prepare, while the assembler is paused.
@@ -136,6 +146,13 @@ class CoordinatorCore(PhaseDriver):
         checkpoint not ready to publish inside it fails whole (no Gym
         manifest, no `LATEST`).  `trigger` (manual, periodic, signal, drain)
         labels its metrics."""
+        if durability not in ("sync", "async"):
+            raise InvalidRequest(f"durability must be sync or async, not {durability!r}")
+        if durability == "async" and (stop or not resume or total_s is not None):
+            raise InvalidRequest(
+                "durability async resumes the Gym before the write is durable: "
+                "not with stop, resume=False or total_s"
+            )
         start = time.monotonic()
         before = self.timeline.newest("checkpoint")
         try:
@@ -149,6 +166,7 @@ class CoordinatorCore(PhaseDriver):
                 commit_s=commit_s,
                 scope_source=scope_source,
                 total_s=total_s,
+                durability=durability,
             )
         except Exception as exc:
             self.metrics.checkpoint_failed(exc, time.monotonic() - start, trigger)
@@ -180,6 +198,7 @@ class CoordinatorCore(PhaseDriver):
         commit_s: float | None,
         scope_source: ScopeSource | None,
         total_s: float | None,
+        durability: str = "sync",
     ) -> CheckpointResult:
         publish_by = None
         if total_s is not None:
@@ -187,6 +206,10 @@ class CoordinatorCore(PhaseDriver):
                 raise InvalidRequest(f"total_s must be positive, not {total_s!r}")
             publish_by = self.clock.now() + total_s
         async with self.lock:
+            # The asynchronous checkpoint before this one publishes first, so
+            # `LATEST` never goes back in time (the participants' prepare
+            # would wait for its writes anyway).
+            await self.pending.settle()
             start = time.monotonic()
             if publish_by is not None:
                 prepare_s = self._fit(prepare_s, self.timeouts.prepare_s, publish_by)
@@ -200,8 +223,14 @@ class CoordinatorCore(PhaseDriver):
                 strict=strict,
                 deadline_s=commit_s,
                 publish_by=publish_by,
+                durability=durability,
             )
+            members = self._hosts(self._members())  # before the resume unfreezes them
             resumed = await self._resume() if resume else None
+            if committed.pending:
+                self._confirm_later(
+                    prepared.checkpoint_id, checkpoint_dir, scope, members, commit_s
+                )
         timings: dict[str, dict[str, float]] = {}
         for op, table in (("prepare", prepared.timings), ("commit", committed.timings)):
             for key, seconds in table.items():
@@ -222,7 +251,54 @@ class CoordinatorCore(PhaseDriver):
             resume_failures=resumed.failures if resumed is not None else {},
             continued=committed.continued,
             restart=committed.restart,
+            durability=durability,
+            pending=committed.pending,
         )
+
+    def _confirm_later(
+        self,
+        cid: str,
+        checkpoint_dir: str,
+        scope: Sequence[EpisodeId] | None,
+        members: list[Host],
+        commit_s: float | None,
+    ) -> None:
+        body = {
+            "checkpoint_id": cid,
+            "checkpoint_dir": checkpoint_dir,
+            "episode_ids": None if scope is None else [episode_body(e) for e in scope],
+            "stop": False,
+            "durability": "async",
+        }
+        deadline_s = self.timeouts.commit_s if commit_s is None else commit_s
+
+        async def confirm() -> DurableResult:
+            try:
+                done = await confirm_durable(self, cid, checkpoint_dir, members, body, deadline_s)
+            except Exception as exc:
+                self.metrics.failed("commit", exc)
+                self.timeline.finish(cid, outcome="failed")
+                log.warning("asynchronous checkpoint %s not published: %s", cid, exc)
+                raise
+            self.metrics.durable_done(done)
+            log.info(
+                "durable %s: %d participants, %d bytes, %.3fs after the resume",
+                cid,
+                len(done.bytes),
+                done.total_bytes,
+                done.durable_s,
+            )
+            return done
+
+        self.pending.add(cid, asyncio.ensure_future(confirm()))
+
+    async def durable(self, cid: str) -> DurableResult:
+        """The asynchronous checkpoint `cid` once published; raises its failure."""
+        return await self.pending.durable(cid)
+
+    async def aclose(self) -> None:
+        await self.pending.aclose()  # unpublished: the directories stay incomplete
+        await super().aclose()
 
     async def _asked_scope(self, cid: str, source: ScopeSource) -> list[EpisodeId]:
         """The scope from `source`; if it fails, the open checkpoint is aborted."""

@@ -25,17 +25,19 @@ message, never a remote traceback.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 from coordination import roots
 from coordination.connect import connect
 from coordination.drain_control import DrainStatus, Relauncher
+from coordination.pending import PendingCheckpoint
 from coordination.periodic import DEFAULT_PREFIX
 from coordination.remote import CoordinatorCalls, EpisodeLike, episodes, restore_args
 from coordination.results import (
     CheckpointResult,
     CommitResult,
     CoordinatorStatus,
+    DurableResult,
     ForgetResult,
     PeriodicStatus,
     PrepareResult,
@@ -60,6 +62,7 @@ class CoordinatorHandle:
         self._sync, self._async = calls.sync, calls.call
 
     # --- checkpoint ------------------------------------------------------------
+    @overload
     def checkpoint(
         self,
         checkpoint_dir: str,
@@ -72,7 +75,37 @@ class CoordinatorHandle:
         strict: bool = False,
         total_s: float | None = None,
         trigger: str = "manual",
-    ) -> CheckpointResult:
+        durability: Literal["sync"] = "sync",
+    ) -> CheckpointResult: ...
+    @overload
+    def checkpoint(
+        self,
+        checkpoint_dir: str,
+        scope: Iterable[EpisodeLike] | None = None,
+        *,
+        resume: bool = True,
+        stop: bool = False,
+        prepare_s: float | None = None,
+        commit_s: float | None = None,
+        strict: bool = False,
+        total_s: float | None = None,
+        trigger: str = "manual",
+        durability: Literal["async"],
+    ) -> PendingCheckpoint: ...
+    def checkpoint(
+        self,
+        checkpoint_dir: str,
+        scope: Iterable[EpisodeLike] | None = None,
+        *,
+        resume: bool = True,
+        stop: bool = False,
+        prepare_s: float | None = None,
+        commit_s: float | None = None,
+        strict: bool = False,
+        total_s: float | None = None,
+        trigger: str = "manual",
+        durability: Literal["sync", "async"] = "sync",
+    ) -> CheckpointResult | PendingCheckpoint:
         """prepare → commit (scope) → Gym manifest → resume; `resume=False` keeps it
         open for publishing (call `resume()` after).  The result's `continued` and
         `restart` say which episodes of the scope have state and which start over;
@@ -81,7 +114,10 @@ class CoordinatorHandle:
         are cut to fit, and one not ready to publish in time fails whole
         (`CoordinationFailed` with a `deadline_exceeded` failure; no Gym
         manifest, no `LATEST`).  `trigger` (manual, periodic, signal or drain)
-        labels its metrics and its timeline."""
+        labels its metrics and its timeline.  `durability="async"` returns once
+        the Gym is resumed (the records captured, still being written) with a
+        `PendingCheckpoint`: its `durable()` returns when every write is
+        durable and the Gym manifest written; publish your own checkpoint after."""
         res: CheckpointResult = self._sync(
             "checkpoint",
             str(checkpoint_dir),
@@ -93,9 +129,11 @@ class CoordinatorHandle:
             strict,
             total_s,
             trigger,
+            durability,
         )
-        return res
+        return self._pending(res) if res.pending else res
 
+    @overload
     async def acheckpoint(
         self,
         checkpoint_dir: str,
@@ -108,7 +146,37 @@ class CoordinatorHandle:
         strict: bool = False,
         total_s: float | None = None,
         trigger: str = "manual",
-    ) -> CheckpointResult:
+        durability: Literal["sync"] = "sync",
+    ) -> CheckpointResult: ...
+    @overload
+    async def acheckpoint(
+        self,
+        checkpoint_dir: str,
+        scope: Iterable[EpisodeLike] | None = None,
+        *,
+        resume: bool = True,
+        stop: bool = False,
+        prepare_s: float | None = None,
+        commit_s: float | None = None,
+        strict: bool = False,
+        total_s: float | None = None,
+        trigger: str = "manual",
+        durability: Literal["async"],
+    ) -> PendingCheckpoint: ...
+    async def acheckpoint(
+        self,
+        checkpoint_dir: str,
+        scope: Iterable[EpisodeLike] | None = None,
+        *,
+        resume: bool = True,
+        stop: bool = False,
+        prepare_s: float | None = None,
+        commit_s: float | None = None,
+        strict: bool = False,
+        total_s: float | None = None,
+        trigger: str = "manual",
+        durability: Literal["sync", "async"] = "sync",
+    ) -> CheckpointResult | PendingCheckpoint:
         res: CheckpointResult = await self._async(
             "checkpoint",
             str(checkpoint_dir),
@@ -120,7 +188,20 @@ class CoordinatorHandle:
             strict,
             total_s,
             trigger,
+            durability,
         )
+        return self._pending(res) if res.pending else res
+
+    def _pending(self, res: CheckpointResult) -> PendingCheckpoint:
+        return PendingCheckpoint(res, self.actor.durable.remote(res.checkpoint_id))
+
+    def durable(self, checkpoint_id: str) -> DurableResult:
+        """Wait for an asynchronous checkpoint by ID (the coordinator keeps the last 8)."""
+        res: DurableResult = self._sync("durable", checkpoint_id)
+        return res
+
+    async def adurable(self, checkpoint_id: str) -> DurableResult:
+        res: DurableResult = await self._async("durable", checkpoint_id)
         return res
 
     def prepare(self, deadline_s: float | None = None) -> PrepareResult:

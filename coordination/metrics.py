@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from coordination.results import CheckpointResult, RestoreResult
+from coordination.results import CheckpointResult, DurableResult, RestoreResult
 from ray_ckpt.errors import CheckpointError, CoordinationFailed
 from ray_ckpt.hosting.metrics import PREFIX, SECONDS_BOUNDARIES
 
@@ -154,7 +154,8 @@ class CoordinatorMetrics:
         rec("total_save_seconds", result.total_s, {**t, "outcome": "ok"})
         rec("checkpoints_total", 1, {**t, "outcome": "ok"})
         rec("barrier_wait_seconds", result.prepare_s, t)
-        rec("durable_seconds", result.manifest_s, t)
+        if not result.pending:  # an asynchronous one reports at `durable_done`
+            rec("durable_seconds", result.manifest_s, t)
         if result.resume_s is not None:
             rec("resume_seconds", result.resume_s, t)
             # `total_s` runs from the prepare (after the lock) to the end of the
@@ -168,12 +169,23 @@ class CoordinatorMetrics:
         by_kind: dict[str, int] = {}
         for key, n in result.bytes.items():
             by_kind[kind_of(key)] = by_kind.get(kind_of(key), 0) + n
-        for kind, n in by_kind.items():
-            rec("bytes_written_total", n, {"kind": kind})
+        if not result.pending:
+            for kind, n in by_kind.items():
+                rec("bytes_written_total", n, {"kind": kind})
         rec("last_checkpoint_bytes", result.total_bytes, t)
         rec("episodes_in_scope_total", len(result.continued) + len(result.restart), t)
         rec("episodes_continued_total", len(result.continued), {"phase": "checkpoint"})
         rec("episodes_restarted_total", len(result.restart), {"phase": "checkpoint"})
+
+    def durable_done(self, result: DurableResult) -> None:
+        """An asynchronous checkpoint published: its resume-to-durable time."""
+        t = {"trigger": "manual"}
+        self.sink.record("durable_seconds", result.durable_s, t)
+        by_kind: dict[str, int] = {}
+        for key, n in result.bytes.items():
+            by_kind[kind_of(key)] = by_kind.get(kind_of(key), 0) + n
+        for kind, n in by_kind.items():
+            self.sink.record("bytes_written_total", n, {"kind": kind})
 
     def checkpoint_failed(self, err: BaseException, seconds: float, trigger: str) -> None:
         t = {"trigger": trigger_label(trigger)}

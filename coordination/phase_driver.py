@@ -202,6 +202,7 @@ class PhaseDriver:
         strict: bool = False,
         deadline_s: float | None = None,
         publish_by: float | None = None,
+        durability: str = "sync",
     ) -> CommitResult:
         return await checkpoint.commit(
             self,
@@ -211,6 +212,7 @@ class PhaseDriver:
             strict=strict,
             deadline_s=deadline_s,
             publish_by=publish_by,
+            durability=durability,
         )
 
     # --- resume / abort --------------------------------------------------------

@@ -45,6 +45,9 @@ class CommitResult(msgspec.Struct, frozen=True, kw_only=True):
     # for it (`continued`), or none did and it starts over (`restart`).
     continued: list[str] = msgspec.field(default_factory=list)
     restart: list[str] = msgspec.field(default_factory=list)
+    # An asynchronous commit: records captured, still being written (`bytes`
+    # are the captured bytes); no Gym manifest yet (`coordination.async_commit`).
+    pending: bool = False
 
 
 class ResumeResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -70,6 +73,22 @@ class CheckpointResult(msgspec.Struct, frozen=True, kw_only=True):
     resume_failures: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
     continued: list[str] = msgspec.field(default_factory=list)  # as in `CommitResult`
     restart: list[str] = msgspec.field(default_factory=list)
+    # "async": returned once the Gym resumed, before durability (`pending`);
+    # `PendingCheckpoint.durable()` resolves when the Gym manifest is written.
+    durability: str = "sync"
+    pending: bool = False
+
+
+class DurableResult(msgspec.Struct, frozen=True, kw_only=True):
+    """An asynchronous checkpoint once every participant is durable and its
+    Gym manifest (and `LATEST`) written, last."""
+
+    checkpoint_id: str
+    checkpoint_dir: str
+    durable_s: float  # from the resume to the Gym manifest written
+    manifest_s: float
+    bytes: dict[str, int]  # participant → bytes of its records object
+    total_bytes: int
 
 
 class RestoreResult(msgspec.Struct, frozen=True, kw_only=True):
