@@ -116,20 +116,33 @@ def _blocker_cell(p: ParticipantStatus) -> list[str]:
     is_flag=True,
     help="Refuse (nothing published) if an episode of the scope has no state anywhere.",
 )
+@click.option(
+    "--async",
+    "asynchronous",
+    is_flag=True,
+    help="Resume once captured; write in the background (prints when resumed and when durable).",
+)
 @cluster_options
 def checkpoint(
     directory: str,
     scope: tuple[str, ...],
     keep_open: bool,
     strict: bool,
+    asynchronous: bool,
     address: str,
     namespace: str,
     as_json: bool,
 ) -> None:
     """Checkpoint every participant into DIRECTORY."""
+    if asynchronous and keep_open:
+        raise click.UsageError("--async resumes the Gym at once: not with --keep-open")
     try:
         _location(directory)
-        res = _connect(address, namespace).checkpoint(
+        gym = _connect(address, namespace)
+        if asynchronous:
+            _checkpoint_async(gym, directory, list(scope) or None, strict, as_json)
+            return
+        res = gym.checkpoint(
             directory, scope=list(scope) or None, resume=not keep_open, strict=strict
         )
     except CheckpointError as exc:
@@ -142,6 +155,30 @@ def checkpoint(
         f"{res.total_bytes} bytes, {res.total_s:.3f}s (prepare {res.prepare_s:.3f}s, "
         f"commit {res.commit_s:.3f}s); {len(res.continued)} episodes continue, "
         f"{len(res.restart)} start over" + (f" ({', '.join(res.restart)})" if res.restart else "")
+    )
+
+
+def _checkpoint_async(
+    gym: Any, directory: str, scope: list[str] | None, strict: bool, as_json: bool
+) -> None:
+    """Say when the Gym is resumed, then when the checkpoint is durable."""
+    started = time.monotonic()
+    pending = gym.checkpoint(directory, scope=scope, strict=strict, durability="async")
+    resumed_s = time.monotonic() - started
+    res = pending.result
+    if not as_json:
+        click.echo(
+            f"resumed after {resumed_s:.3f}s: {res.checkpoint_id} captured "
+            f"{res.total_bytes} bytes from {len(res.timings)} participants; writing…"
+        )
+    done = pending.durable()
+    durable_s = time.monotonic() - started
+    if as_json:
+        emit({"checkpoint": res, "durable": done, "resumed_s": resumed_s, "durable_s": durable_s})
+        return
+    click.echo(
+        f"durable after {durable_s:.3f}s: {done.checkpoint_id} → {done.checkpoint_dir}, "
+        f"{done.total_bytes} bytes"
     )
 
 

@@ -12,7 +12,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from coordination.demo.scenario import Continuation, Rollouts
-from coordination.results import CommitResult, PrepareResult
+from coordination.results import CheckpointResult, CommitResult, DurableResult, PrepareResult
 from participants.rollout import result_digest
 
 
@@ -43,6 +43,9 @@ class DemoReport:
     # kind -> node ID, "before" the crash and "after" the restore
     placement: dict[str, dict[str, str]] = field(default_factory=dict)
     timeline: str | None = None  # the checkpoint's Chrome trace, with --timeline FILE
+    durability: str = "sync"
+    resumed_s: float | None = None  # async: from the call to the Gym resumed
+    durable_s: float | None = None  # async: from the call to the Gym manifest written
 
     def add_checkpoint(self, prepared: PrepareResult, committed: CommitResult) -> None:
         self.checkpoint_id = committed.checkpoint_id
@@ -55,6 +58,20 @@ class DemoReport:
                 "commit_s": committed.timings.get(name, 0.0),
                 "bytes": committed.bytes.get(name, 0),
                 "episodes": len(committed.episode_ids.get(name, [])),
+            }
+
+    def add_async_checkpoint(self, result: CheckpointResult, done: DurableResult) -> None:
+        self.durability = "async"
+        self.checkpoint_id = result.checkpoint_id
+        self.prepare_s = result.prepare_s
+        self.commit_s = result.commit_s  # the capture; the write ran after the resume
+        self.in_scope = len(result.continued) + len(result.restart)
+        for name in sorted(result.timings):
+            self.per_participant[name] = {
+                "prepare_s": result.timings[name].get("prepare", 0.0),
+                "commit_s": result.timings[name].get("commit", 0.0),
+                "bytes": done.bytes.get(name, 0),
+                "episodes": len(result.episode_ids.get(name, [])),
             }
 
     def add_restore(self, cont: Continuation) -> None:
@@ -135,6 +152,9 @@ class DemoReport:
             "node_killed": self.node_killed,
             "placement": self.placement,
             "timeline": self.timeline,
+            "durability": self.durability,
+            "resumed_s": None if self.resumed_s is None else round(self.resumed_s, 4),
+            "durable_s": None if self.durable_s is None else round(self.durable_s, 4),
         }
 
 
@@ -171,6 +191,14 @@ class Ui:
             ("episodes continued", str(len(r.continued))),
             ("episodes restarted", str(len(r.restarted))),
             ("checkpoint (prepare + commit)", f"{s['checkpoint_s']:.3f} s"),
+            *(
+                [
+                    ("async: resumed after", f"{r.resumed_s:.3f} s"),
+                    ("async: durable after", f"{r.durable_s:.3f} s"),
+                ]
+                if r.resumed_s is not None and r.durable_s is not None
+                else []
+            ),
             ("restore", f"{r.restore_s:.3f} s"),
             ("checkpoint size", f"{r.bytes:,} B"),
             ("tokens regenerated after crash", str(s["tokens_regenerated"])),

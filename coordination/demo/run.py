@@ -61,6 +61,7 @@ class DemoOptions:
     resume: str | None = None  # "latest"
     grace_s: float = 25.0
     timeline: str | None = None  # write the checkpoint's Chrome trace here
+    durability: str = "sync"  # "async": resume once captured, then wait for durable
 
 
 def fleet_config(opts: DemoOptions, *, suffix: str, namespace: str) -> FleetConfig:
@@ -137,11 +138,26 @@ async def run_demo(opts: DemoOptions, ui: Ui, ray_nodes: LocalRay | None = None)
                 # At the latest 60% through (as long as the uninterrupted
                 # run took), so short runs still checkpoint mid-flight.
                 report.in_flight = await _wait_for_mixed_work(fleet, rollouts, run_s * 0.6)
-            with ui.phase("checkpoint (prepare, commit)", total=None):
-                prepared = await handle.aprepare()
-                scope = rollouts.unfinished()
-                committed = await handle.acommit(ckpt_dir, scope)
-            report.add_checkpoint(prepared, committed)
+            if opts.durability == "async":
+                with ui.phase("checkpoint (async: resumed once captured)", total=None):
+                    scope = rollouts.unfinished()
+                    t0 = time.monotonic()
+                    pending = await handle.acheckpoint(ckpt_dir, scope, durability="async")
+                    report.resumed_s = time.monotonic() - t0
+                    done = await pending.adurable()
+                    report.durable_s = time.monotonic() - t0
+                report.add_async_checkpoint(pending.result, done)
+                committed_id = pending.checkpoint_id
+                # Rollouts ran on through the write: those finished since are done.
+                still = {e.rollout_id for e in rollouts.unfinished()}
+                scope = [e for e in scope if e.rollout_id in still]
+            else:
+                with ui.phase("checkpoint (prepare, commit)", total=None):
+                    prepared = await handle.aprepare()
+                    scope = rollouts.unfinished()
+                    committed = await handle.acommit(ckpt_dir, scope)
+                report.add_checkpoint(prepared, committed)
+                committed_id = committed.checkpoint_id
             before = await fleet_stats(fleet)
             report.finished_before_crash = len(rollouts.results)
 
@@ -154,7 +170,9 @@ async def run_demo(opts: DemoOptions, ui: Ui, ray_nodes: LocalRay | None = None)
                     report.node_killed = local.kill_edge()
                     placement = local.after_loss(placement, report.node_killed)
                 await crash(fleet, rollouts)
-                await handle.aresume()  # the dead hosts' leases are moot; clear the open checkpoint
+                if opts.durability == "sync":
+                    # The dead hosts' leases are moot; clear the open checkpoint.
+                    await handle.aresume()
 
             # 4. A fresh fleet restores and continues every unfinished rollout.
             with ui.phase("restore into a fresh fleet", total=None):
@@ -166,7 +184,7 @@ async def run_demo(opts: DemoOptions, ui: Ui, ray_nodes: LocalRay | None = None)
             report.add_restore(cont)
             if opts.timeline:
                 # The checkpoint's picture, its resume to the dead hosts included.
-                trace = await handle.atimeline(committed.checkpoint_id)
+                trace = await handle.atimeline(committed_id)
                 await asyncio.to_thread(write_json, opts.timeline, trace)
                 report.timeline = opts.timeline
             remaining = len(rollouts.running)
@@ -249,6 +267,14 @@ def _kill_coordinator(handle: Any) -> None:
     show_default=True,
     type=click.FloatRange(min=0, min_open=True),
     help="With --until-signal: the seconds a signal's checkpoint must fit in.",
+)
+@click.option(
+    "--durability",
+    type=click.Choice(["sync", "async"]),
+    default="sync",
+    show_default=True,
+    help="async: the Gym resumes once captured and the write runs in the background "
+    "(reports the time to resumed and to durable).",
 )
 @click.option(
     "--timeline",

@@ -58,3 +58,28 @@ async def test_demo_continues_every_rollout_and_equals_the_uninterrupted_run(
         names = [e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == tid]
         assert names[:2] == ["prepare", "commit"], (row, names)
         assert {"capture", "write", "release", "resume"} <= set(names), (row, names)
+
+
+async def test_demo_with_asynchronous_durability_reports_both_times(
+    namespace: str, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    opts = DemoOptions(
+        address=None,
+        namespace=namespace,
+        rollouts=3,
+        steps=2,
+        seed=12,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        token_delay_s=0.04,
+        step_delay_s=0.1,
+        verify_delay_s=0.15,
+        stagger_s=0.3,
+        durability="async",
+    )
+    report = await run_demo(opts, Ui())
+    summary = report.summary()
+    assert summary["ok"] is True, summary["problems"]
+    assert summary["equal"] is True
+    assert summary["durability"] == "async"
+    assert 0 < summary["resumed_s"] <= summary["durable_s"]
+    assert (tmp_path / "ckpt" / "gym" / "_manifest.json").exists()

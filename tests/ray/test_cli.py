@@ -93,6 +93,22 @@ async def test_status_checkpoint_inspect_restore_retire(namespace: str, tmp_path
         assert json.loads(out)["error"]["code"] == "invalid_request"
         assert not (tmp_path / "x.json").exists()
 
+        # --async: said when resumed, then when durable; the directory is complete.
+        code, out = run("checkpoint", str(tmp_path / "async"), *ns, "--async")
+        assert code == 0, out
+        lines = out.strip().splitlines()
+        assert lines[0].startswith("resumed after ")
+        assert lines[-1].startswith("durable after ")
+        code, out = run("checkpoint", str(tmp_path / "async2"), *ns, "--async", "--json")
+        assert code == 0, out
+        both = json.loads(out)
+        assert both["checkpoint"]["pending"] is True
+        assert both["durable"]["checkpoint_id"] == both["checkpoint"]["checkpoint_id"]
+        assert both["resumed_s"] <= both["durable_s"]
+        code, out = run("inspect", str(tmp_path / "async2"), "--json")
+        assert code == 0
+        assert json.loads(out)["ok"] is True
+
         # Per episode of the scope: continued or restarted; --strict refuses the latter.
         scoped = ["--scope", "e1", "--scope", "ghost"]
         code, out = run("checkpoint", str(tmp_path / "scoped"), *scoped, *ns)
