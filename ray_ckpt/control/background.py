@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,8 +35,9 @@ OUTCOMES_KEPT = 8
 class Pending:
     checkpoint_id: str
     write: Write
-    task: asyncio.Task[Any]
+    begin: Callable[[], asyncio.Task[Any]]  # starts the store write
     captured_bytes: int
+    task: asyncio.Task[Any] | None = None
 
 
 class BackgroundWrites:
@@ -51,22 +53,39 @@ class BackgroundWrites:
         return running or checkpoint_id in self._outcomes
 
     def busy(self) -> str | None:
-        """The ID whose write still runs, if any."""
-        if self.current is not None and not self.current.task.done():
-            return self.current.checkpoint_id
+        """The ID whose write is due or still runs, if any."""
+        current = self.current
+        if current is not None and (current.task is None or not current.task.done()):
+            return current.checkpoint_id
         return None
 
     def adopt(self, pending: Pending, reply: dict[str, Any]) -> None:
-        """Run `pending`'s write to its end; `reply` (with the manifest added) is
-        the answer of every re-sent commit of its ID once it is durable."""
+        """Hold `pending`'s write until `release`; `reply` (with the manifest
+        added) answers every re-sent commit of its ID once it is durable."""
         self.current = pending
         self._replies[pending.checkpoint_id] = reply
-        pending.task.add_done_callback(lambda _t: self._settle(pending))
+
+    def release(self, checkpoint_id: str | None = None) -> asyncio.Task[Any] | None:
+        """Start the held write (of `checkpoint_id`, or whichever is held).
+
+        The write starts once the participant resumed (or when its commit is
+        sent again), not when the capture ends: on a machine of few cores the
+        other participants are still capturing under the same pause, and a
+        write competing with them for the CPU would lengthen it."""
+        current = self.current
+        if current is None or (
+            checkpoint_id is not None and current.checkpoint_id != checkpoint_id
+        ):
+            return None
+        if current.task is None:
+            task = current.task = current.begin()
+            task.add_done_callback(lambda _t: self._settle(current))
+        return current.task
 
     def _settle(self, pending: Pending) -> None:
         """Record a finished write's outcome (idempotent)."""
         cid, task = pending.checkpoint_id, pending.task
-        if cid in self._outcomes or not task.done():
+        if task is None or cid in self._outcomes or not task.done():
             return
         outcome: dict[str, Any] | CheckpointError
         if task.cancelled():
@@ -95,10 +114,13 @@ class BackgroundWrites:
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait (at most `timeout_s`) for the write in flight; True once none runs."""
         current = self.current
-        if current is None or current.task.done():
+        if current is None:
             return True
-        await asyncio.wait({current.task}, timeout=max(timeout_s, 0.0))
-        return current.task.done()
+        task = self.release(current.checkpoint_id)
+        if task is None or task.done():
+            return True
+        await asyncio.wait({task}, timeout=max(timeout_s, 0.0))
+        return task.done()
 
     async def outcome(self, checkpoint_id: str, timeout_s: float) -> dict[str, Any]:
         """The final reply of `checkpoint_id`'s write, waiting for it at most
@@ -128,7 +150,8 @@ class BackgroundWrites:
     async def aclose(self) -> None:
         """Stop the write in flight (a host that stops publishes nothing half-done)."""
         current = self.current
-        if current is not None and not current.task.done():
+        if current is not None and current.task is not None and not current.task.done():
             await current.write.halt()
             with contextlib.suppress(BaseException):
                 await current.task
+        # A write never started is simply dropped: nothing of it was stored.

@@ -248,6 +248,7 @@ class ParticipantController:
                 await self._restores.settle()
                 self._restores.end()
             await self._apply(self.state.fire(Event.RESUME))
+            self._background.release(cid)  # an asynchronous commit's write, now
             return {"phase": self.state.phase.value, "idempotent": False}
 
     # --- retire / forget -----------------------------------------------------
@@ -295,6 +296,7 @@ class ParticipantController:
                 # before admission reopens.
                 await self._restores.abandon()
             await self._apply(self.state.fire(Event.LEASE_EXPIRED))
+            self._background.release()  # resumed by itself: the held write goes on
             if self.observer is not None:
                 self.observer.lease_expired()
             return True

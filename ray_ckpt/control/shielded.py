@@ -97,7 +97,6 @@ async def _commit_async(
             # leaves out cannot change what is written.
             await within(c.clock, req, "release unscoped", c.participant.delete_restored(scope))
         write.released = write.parked = True
-        task = c._commits.start(write, req)
         size = captured_bytes(write.records)
         reply = {
             "phase": Phase.COMMITTED.value,
@@ -106,7 +105,8 @@ async def _commit_async(
             "captured_bytes": size,
             "spans": write.span_dicts(),
         }
-        c._background.adopt(Pending(cid, write, task, size), reply)
+        # Started at the resume (`BackgroundWrites.release`).
+        c._background.adopt(Pending(cid, write, lambda: c._commits.start(write, req), size), reply)
         c.state.fire(Event.COMMIT)
         c.state.cache("commit", cid, reply)
         return dict(reply)

@@ -76,17 +76,21 @@ async def test_pending_then_resume_while_writing_then_the_final_manifest(
     assert reply["pending"] is True
     assert reply["episode_ids"] == ["r1"]
     assert reply["captured_bytes"] > 1000
-    await started(store)
     st = c.status()
     assert st["writes_in_flight"] == 1
     assert st["background_write"] == {
         "checkpoint_id": "c1",
         "captured_bytes": reply["captured_bytes"],
     }
-    # Resume while the write runs: admission reopens, the write goes on.
+    # The write waits for the resume (the other participants may still be
+    # capturing under the same pause) ...
+    assert not store.started.is_set()
+    # ... and runs on after it: admission reopens, the write goes on.
     await c.handle("resume", body("c1"))
     assert p.admission_open
     assert c.status()["phase"] == "idle"
+    await started(store)
+    assert c.status()["writes_in_flight"] == 1
     # The live state changes after the capture ...
     state["tokens"].append(4)
     state["text"] = "changed"
