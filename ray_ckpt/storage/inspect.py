@@ -19,7 +19,7 @@ from rich.table import Table
 
 from ray_ckpt.errors import CheckpointError
 from ray_ckpt.storage.blobs import Blobs
-from ray_ckpt.storage.gym_manifest import verify_checkpoint
+from ray_ckpt.storage.gym_manifest import GYM_MANIFEST_KEY, verify_checkpoint
 from ray_ckpt.storage.locations import open_location
 from ray_ckpt.storage.participant_manifest import load_manifest
 
@@ -44,6 +44,10 @@ class InspectReport(msgspec.Struct, frozen=True):
     checkpoint_id: str | None
     rows: list[InspectRow]
     errors: list[str]
+    # "complete"; "incomplete": participants' records but no Gym manifest, a
+    # checkpoint never published (a crash before it was durable, an
+    # asynchronous write that failed); "invalid": anything else wrong.
+    state: str = "complete"
 
 
 def inspect_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> InspectReport:
@@ -63,12 +67,14 @@ def inspect_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> InspectReport:
         )
         for c in report.participants
     ]
+    unpublished = not blobs.exists(GYM_MANIFEST_KEY) and bool(rows or blobs.list())
     return InspectReport(
         directory=os.fspath(checkpoint_dir),
         ok=report.ok,
         checkpoint_id=report.checkpoint_id,
         rows=rows,
         errors=report.errors,
+        state="complete" if report.ok else "incomplete" if unpublished else "invalid",
     )
 
 
@@ -92,7 +98,9 @@ def _size(n: int) -> str:
 
 
 def render_inspect(report: InspectReport, *, width: int = 120) -> str:
-    status = "OK" if report.ok else "INVALID"
+    status = {"complete": "OK", "incomplete": "INCOMPLETE (never published)"}.get(
+        report.state, "INVALID"
+    )
     table = Table(title=f"checkpoint {report.checkpoint_id or '?'} in {report.directory}: {status}")
     for col in ("kind", "instance", "episodes", "size", "digest", "references", "status"):
         table.add_column(col, justify="right" if col in ("episodes", "size") else "left")

@@ -21,6 +21,7 @@ from ray_ckpt.hosting.host import start_host, stop_host
 from ray_ckpt.hosting.spec import ServerSpec, settings_dict
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.storage import read_gym_manifest
+from ray_ckpt.storage.inspect import inspect_checkpoint
 
 pytestmark = pytest.mark.ray
 
@@ -58,6 +59,8 @@ async def test_a_kill_during_the_background_write_leaves_the_previous_checkpoint
             await pending.adurable()
         assert set(info.value.failures) == {"environment/bigwrite"}
         assert not (root / "ckpt-b" / "gym" / "_manifest.json").exists()
+        assert inspect_checkpoint(str(root / "ckpt-b")).state == "incomplete"
+        assert inspect_checkpoint(str(root / "ckpt-a")).state == "complete"
         assert json.loads((root / "LATEST").read_text())["checkpoint_id"] == first.checkpoint_id
         assert read_gym_manifest(str(root / "ckpt-a")).checkpoint_id == first.checkpoint_id
 

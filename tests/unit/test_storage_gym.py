@@ -168,6 +168,7 @@ def test_inspect_of_an_incomplete_checkpoint(tmp_path: pathlib.Path) -> None:
     assert report.checkpoint_id is None
     assert any("missing Gym manifest" in e for e in report.errors)
     assert [r.listed for r in report.rows] == [False]
+    assert report.state == "incomplete"  # never published, not corrupt
     text = render_inspect(report)
-    for part in ("INVALID", "missing Gym manifest", "not listed"):
+    for part in ("INCOMPLETE", "missing Gym manifest", "not listed"):
         assert part in text
