@@ -1,5 +1,5 @@
 """Coordination: participant order, the Coordinator actor, the handle, the CLI."""
 
-from coordination.handle import CoordinatorHandle, connect
+from coordination.handle import CoordinatorHandle, aconnect, connect
 
-__all__ = ["CoordinatorHandle", "connect"]
+__all__ = ["CoordinatorHandle", "aconnect", "connect"]

@@ -7,6 +7,7 @@ re-exports `connect`, its usual import.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,30 @@ def connect(
                 f"no coordinator {name!r} in namespace {namespace!r}"
             ) from None
     return CoordinatorHandle(actor, namespace)
+
+
+async def aconnect(
+    namespace: str = "ray-ckpt",
+    address: str | None = "auto",
+    *,
+    create: bool = True,
+    name: str = COORDINATOR_NAME,
+    **coordinator_options: Any,
+) -> CoordinatorHandle:
+    """`connect` for async code: the waits (get-or-create, the first ping) run
+    on a thread, so the caller's event loop keeps running."""
+    import ray
+
+    if not namespace:
+        raise ValueError("connect needs an explicit namespace")
+    if not ray.is_initialized():
+        # Here, not on the thread: Ray's init expects the main thread.
+        ray.init(
+            address=address, namespace=namespace, ignore_reinit_error=True, log_to_driver=False
+        )
+    return await asyncio.to_thread(
+        connect, namespace, address, create=create, name=name, **coordinator_options
+    )
 
 
 def _live_coordinator(namespace: str, name: str, options: dict[str, Any]) -> Any:

@@ -24,19 +24,20 @@ message, never a remote traceback.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, overload
 
 from coordination import roots
-from coordination.connect import connect
+from coordination.connect import aconnect, connect
 from coordination.drain_control import DrainStatus, Relauncher
+from coordination.handle_members import MemberCalls
 from coordination.pending import PendingCheckpoint
 from coordination.periodic import DEFAULT_PREFIX
 from coordination.remote import CoordinatorCalls, EpisodeLike, episodes, restore_args
 from coordination.results import (
     CheckpointResult,
     CommitResult,
-    CoordinatorStatus,
     DurableResult,
     ForgetResult,
     PeriodicStatus,
@@ -51,10 +52,10 @@ from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage.catalog import CheckpointEntry
 from ray_ckpt.storage.retention import DEFAULT_GRACE_S, GcPlan
 
-__all__ = ["CoordinatorHandle", "EpisodeLike", "connect", "episodes"]
+__all__ = ["CoordinatorHandle", "EpisodeLike", "aconnect", "connect", "episodes"]
 
 
-class CoordinatorHandle:
+class CoordinatorHandle(MemberCalls):
     def __init__(self, actor: Any, namespace: str) -> None:
         self.actor = actor
         self.namespace = namespace
@@ -219,9 +220,10 @@ class CoordinatorHandle:
         *,
         stop: bool = False,
         strict: bool = False,
+        deadline_s: float | None = None,
     ) -> CommitResult:
         res: CommitResult = self._sync(
-            "commit", str(checkpoint_dir), episodes(scope), stop, strict=strict
+            "commit", str(checkpoint_dir), episodes(scope), stop, deadline_s, strict=strict
         )
         return res
 
@@ -232,18 +234,19 @@ class CoordinatorHandle:
         *,
         stop: bool = False,
         strict: bool = False,
+        deadline_s: float | None = None,
     ) -> CommitResult:
         res: CommitResult = await self._async(
-            "commit", str(checkpoint_dir), episodes(scope), stop, strict=strict
+            "commit", str(checkpoint_dir), episodes(scope), stop, deadline_s, strict=strict
         )
         return res
 
-    def resume(self) -> ResumeResult:
-        res: ResumeResult = self._sync("resume")
+    def resume(self, deadline_s: float | None = None) -> ResumeResult:
+        res: ResumeResult = self._sync("resume", deadline_s)
         return res
 
-    async def aresume(self) -> ResumeResult:
-        res: ResumeResult = await self._async("resume")
+    async def aresume(self, deadline_s: float | None = None) -> ResumeResult:
+        res: ResumeResult = await self._async("resume", deadline_s)
         return res
 
     def renew(self) -> dict[str, float | None]:
@@ -263,6 +266,7 @@ class CoordinatorHandle:
         resume: bool = True,
         allow_without_gym_manifest: bool = False,
         latest: bool = False,
+        deadline_s: float | None = None,
     ) -> RestoreResult:
         """Restore `episode_ids` (None: every episode the checkpoint lists).
 
@@ -278,6 +282,7 @@ class CoordinatorHandle:
             str(checkpoint_dir),
             eps,
             resume,
+            deadline_s,
             allow_without_gym_manifest=allow_without_gym_manifest,
             latest=latest,
         )
@@ -291,6 +296,7 @@ class CoordinatorHandle:
         resume: bool = True,
         allow_without_gym_manifest: bool = False,
         latest: bool = False,
+        deadline_s: float | None = None,
     ) -> RestoreResult:
         eps, latest = restore_args(episode_ids, latest)
         res: RestoreResult = await self._async(
@@ -298,6 +304,7 @@ class CoordinatorHandle:
             str(checkpoint_dir),
             eps,
             resume,
+            deadline_s,
             allow_without_gym_manifest=allow_without_gym_manifest,
             latest=latest,
         )
@@ -426,6 +433,9 @@ class CoordinatorHandle:
         """The checkpoints under `root`, oldest first (read here, not by the coordinator)."""
         return roots.list_root(str(root))
 
+    async def alist_checkpoints(self, root: str) -> list[CheckpointEntry]:
+        return await asyncio.to_thread(roots.list_root, str(root))
+
     def gc(
         self, root: str, *, keep: int, dry_run: bool = False, grace_s: float = DEFAULT_GRACE_S
     ) -> GcPlan:
@@ -433,28 +443,47 @@ class CoordinatorHandle:
         `ray_ckpt.storage.retention`); `dry_run` only plans."""
         return roots.gc_root(str(root), keep, dry_run=dry_run, grace_s=grace_s)
 
-    def retire(self, rollout: str, attempt: int = 0) -> RetireResult:
-        res: RetireResult = self._sync("retire", [EpisodeId(rollout, attempt)])
+    async def agc(
+        self, root: str, *, keep: int, dry_run: bool = False, grace_s: float = DEFAULT_GRACE_S
+    ) -> GcPlan:
+        return await asyncio.to_thread(
+            roots.gc_root, str(root), keep, dry_run=dry_run, grace_s=grace_s
+        )
+
+    def retire(
+        self, rollout: str, attempt: int = 0, *, deadline_s: float | None = None
+    ) -> RetireResult:
+        res: RetireResult = self._sync("retire", [EpisodeId(rollout, attempt)], deadline_s)
         return res
 
-    async def aretire(self, rollout: str, attempt: int = 0) -> RetireResult:
-        res: RetireResult = await self._async("retire", [EpisodeId(rollout, attempt)])
+    async def aretire(
+        self, rollout: str, attempt: int = 0, *, deadline_s: float | None = None
+    ) -> RetireResult:
+        res: RetireResult = await self._async("retire", [EpisodeId(rollout, attempt)], deadline_s)
         return res
 
-    def retire_many(self, episode_ids: Iterable[EpisodeLike]) -> RetireResult:
-        res: RetireResult = self._sync("retire", episodes(episode_ids))
+    def retire_many(
+        self, episode_ids: Iterable[EpisodeLike], *, deadline_s: float | None = None
+    ) -> RetireResult:
+        res: RetireResult = self._sync("retire", episodes(episode_ids), deadline_s)
         return res
 
-    async def aretire_many(self, episode_ids: Iterable[EpisodeLike]) -> RetireResult:
-        res: RetireResult = await self._async("retire", episodes(episode_ids))
+    async def aretire_many(
+        self, episode_ids: Iterable[EpisodeLike], *, deadline_s: float | None = None
+    ) -> RetireResult:
+        res: RetireResult = await self._async("retire", episodes(episode_ids), deadline_s)
         return res
 
-    def forget(self, rollout_ids: Iterable[str]) -> ForgetResult:
-        res: ForgetResult = self._sync("forget", list(rollout_ids))
+    def forget(
+        self, rollout_ids: Iterable[str], *, deadline_s: float | None = None
+    ) -> ForgetResult:
+        res: ForgetResult = self._sync("forget", list(rollout_ids), deadline_s)
         return res
 
-    async def aforget(self, rollout_ids: Iterable[str]) -> ForgetResult:
-        res: ForgetResult = await self._async("forget", list(rollout_ids))
+    async def aforget(
+        self, rollout_ids: Iterable[str], *, deadline_s: float | None = None
+    ) -> ForgetResult:
+        res: ForgetResult = await self._async("forget", list(rollout_ids), deadline_s)
         return res
 
     def timeline(self, which: str = "latest") -> dict[str, Any]:
@@ -466,53 +495,4 @@ class CoordinatorHandle:
 
     async def atimeline(self, which: str = "latest") -> dict[str, Any]:
         res: dict[str, Any] = await self._async("timeline", which)
-        return res
-
-    # --- status / membership ---------------------------------------------------
-    def status(self) -> CoordinatorStatus:
-        res: CoordinatorStatus = self._sync("status")
-        return res
-
-    async def astatus(self) -> CoordinatorStatus:
-        res: CoordinatorStatus = await self._async("status")
-        return res
-
-    def register_actor(self, kind: str, name: str, handle: Any = None) -> str:
-        key: str = self._sync("register_actor", kind, name, handle)
-        return key
-
-    def register_http(self, kind: str, name: str, url: str, token: str, **pool: int) -> str:
-        key: str = self._sync("register_http", kind, name, url, token, **pool)
-        return key
-
-    def discover_http(
-        self, servers: list[tuple[str, str, str]], token: str, **pool: int
-    ) -> dict[str, list[str]]:
-        """Register the `(kind, name, url)` servers that are participants; a 404
-        on status means "not a participant" (listed under "skipped")."""
-        found: dict[str, list[str]] = self._sync("discover_http", servers, token, **pool)
-        return found
-
-    def register_trainer(self, handle: Any, **options: Any) -> None:
-        """`options`: pause_method, resume_method, pass_args, mode ("full"|"barrier")."""
-        self._sync("register_pause", "trainer", handle, **options)
-
-    def register_assembler(self, handle: Any, **options: Any) -> None:
-        self._sync("register_pause", "assembler", handle, **options)
-
-    def discover(self) -> list[str]:
-        keys: list[str] = self._sync("discover", refresh=True)
-        return keys
-
-    async def adiscover(self) -> list[str]:
-        keys: list[str] = await self._async("discover", refresh=True)
-        return keys
-
-    def ping(self) -> str | None:
-        """Wait until the coordinator is up (and has recovered)."""
-        res: str | None = self._sync("ping")
-        return res
-
-    async def aping(self) -> str | None:
-        res: str | None = await self._async("ping")
         return res

@@ -27,7 +27,7 @@ from typing import Any
 
 import ray
 
-from coordination import connect
+from coordination import aconnect
 from participants.fleet import FleetConfig, launch_fleet
 from participants.rollout import make_tasks, run_episode
 from ray_ckpt import EpisodeId, data_session
@@ -105,7 +105,7 @@ class Trainer:
 
 
 async def train(namespace: str, out_dir: str, rollouts: int, checkpoints: int) -> dict[str, Any]:
-    gym = connect(namespace=namespace)
+    gym = await aconnect(namespace=namespace)
     fleet = await launch_fleet(
         FleetConfig(namespace=namespace, token=uuid.uuid4().hex, token_delay_s=0.02,
                     step_delay_s=0.05)
@@ -115,9 +115,9 @@ async def train(namespace: str, out_dir: str, rollouts: int, checkpoints: int) -
         fleet.urls["environment"], make_tasks(rollouts, steps=3, seed=1)
     )
     try:
-        gym.discover()
-        gym.register_trainer(trainer)
-        gym.register_assembler(collector)
+        await gym.adiscover()
+        await gym.aregister_trainer(trainer)
+        await gym.aregister_assembler(collector)
         published = []
         for n in range(checkpoints):
             await asyncio.sleep(1.0)
