@@ -1,0 +1,56 @@
+"""The README's Python snippets against the code, so they cannot drift: each
+parses, its imports import, and every call it makes on the handle (`gym.x(...)`)
+or on a `PendingCheckpoint` names a method that exists and keywords it takes.
+(They need a cluster and the reader's own actors to run; `examples/` runs.)"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import pathlib
+import re
+import textwrap
+
+import pytest
+
+from coordination.handle import CoordinatorHandle
+from coordination.pending import PendingCheckpoint
+
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+RECEIVERS = {"gym": CoordinatorHandle, "pending": PendingCheckpoint}
+
+
+def snippets() -> list[str]:
+    return [textwrap.dedent(b) for b in BLOCK.findall(README.read_text())]
+
+
+def test_the_readme_has_python_snippets() -> None:
+    assert len(snippets()) >= 4
+
+
+@pytest.mark.parametrize("index", range(len(snippets())))
+def test_a_snippet_matches_the_code(index: int) -> None:
+    tree = ast.parse(snippets()[index])
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                assert hasattr(module, alias.name), f"{node.module}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                importlib.import_module(alias.name)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            target = node.func.value
+            if not (isinstance(target, ast.Name) and target.id in RECEIVERS):
+                continue
+            cls = RECEIVERS[target.id]
+            method = getattr(cls, node.func.attr, None)
+            assert callable(method), f"{target.id}.{node.func.attr} does not exist"
+            params = inspect.signature(method).parameters
+            takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+            for kw in node.keywords:
+                assert kw.arg is None or takes_any or kw.arg in params, (
+                    f"{target.id}.{node.func.attr}() takes no {kw.arg!r}"
+                )
