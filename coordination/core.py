@@ -44,6 +44,7 @@ from coordination.results import (
 )
 from coordination.roots import write_gym_manifest_and_latest
 from coordination.status import participant_rows
+from ray_ckpt import tracing
 from ray_ckpt.errors import CheckpointError, DeadlineExceeded, InvalidPhase, InvalidRequest
 from ray_ckpt.identity import EpisodeId
 
@@ -156,18 +157,19 @@ class CoordinatorCore(PhaseDriver):
         start = time.monotonic()
         before = self.timeline.newest("checkpoint")
         try:
-            result = await self._checkpoint(
-                checkpoint_dir,
-                scope,
-                resume=resume,
-                stop=stop,
-                strict=strict,
-                prepare_s=prepare_s,
-                commit_s=commit_s,
-                scope_source=scope_source,
-                total_s=total_s,
-                durability=durability,
-            )
+            with tracing.span("ray_ckpt.checkpoint", {"ray_ckpt.trigger": trigger}):
+                result = await self._checkpoint(
+                    checkpoint_dir,
+                    scope,
+                    resume=resume,
+                    stop=stop,
+                    strict=strict,
+                    prepare_s=prepare_s,
+                    commit_s=commit_s,
+                    scope_source=scope_source,
+                    total_s=total_s,
+                    durability=durability,
+                )
         except Exception as exc:
             self.metrics.checkpoint_failed(exc, time.monotonic() - start, trigger)
             failed = self.timeline.newest("checkpoint")
@@ -331,15 +333,16 @@ class CoordinatorCore(PhaseDriver):
         reader = self.unlisted_reader if allow_without_gym_manifest else self.manifest_reader
         start = time.monotonic()
         try:
-            async with self.lock:
-                result = await restore(
-                    self,
-                    reader,
-                    checkpoint_dir,
-                    episodes,
-                    resume=resume,
-                    deadline_s=deadline_s,
-                )
+            with tracing.span("ray_ckpt.restore"):
+                async with self.lock:
+                    result = await restore(
+                        self,
+                        reader,
+                        checkpoint_dir,
+                        episodes,
+                        resume=resume,
+                        deadline_s=deadline_s,
+                    )
         except Exception as exc:
             self.metrics.restore_failed(exc, time.monotonic() - start)
             raise

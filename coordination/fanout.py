@@ -15,6 +15,7 @@ from typing import Any
 
 from coordination.hosts import Host
 from coordination.replies import blocker_count, blocker_details, blocker_keys
+from ray_ckpt import tracing
 from ray_ckpt.errors import CheckpointError, DeadlineExceeded, ParticipantUnavailable
 
 
@@ -37,7 +38,12 @@ async def _timed(
     host: Host, op: str, body: Mapping[str, Any]
 ) -> tuple[dict[str, Any], float, float]:
     start = time.monotonic()
-    reply = await host.call(op, body)
+    attrs = {
+        "ray_ckpt.participant": host.member.key,
+        "ray_ckpt.checkpoint_id": body.get("checkpoint_id"),
+    }
+    with tracing.span(f"ray_ckpt.{op}", attrs):
+        reply = await host.call(op, body)
     return reply, start, time.monotonic()
 
 

@@ -31,6 +31,7 @@ from ray_ckpt.control.routes import (
 from ray_ckpt.errors import CheckpointError, InvalidRequest, Reason
 from ray_ckpt.identity import ROLLOUT_PATH_PREFIX, parse_rollout_path
 from ray_ckpt.settings import CheckpointSettings
+from ray_ckpt.tracing import TRACE_HEADERS
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -111,7 +112,12 @@ class ControlASGIMiddleware:
             return
         if body is None:
             return  # the client went away; nobody to answer
-        await _send(send, *await gate.call(op, body))
+        carrier = {
+            name: headers[name.encode()].decode("latin-1")
+            for name in TRACE_HEADERS
+            if name.encode() in headers
+        }
+        await _send(send, *await gate.call(op, body, carrier))
 
 
 class _EnvelopeSend:

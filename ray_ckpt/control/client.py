@@ -17,6 +17,7 @@ import aiohttp
 import msgspec
 import orjson
 
+from ray_ckpt import tracing
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
 from ray_ckpt.control.routes import CHECKPOINT_ROUTE_PREFIX
 from ray_ckpt.control.wire import OPERATIONS
@@ -162,6 +163,7 @@ class ControlClient:
     ) -> dict[str, Any]:
         url = f"{self.base_url}{CHECKPOINT_ROUTE_PREFIX}/{op}"
         headers = dict(self._headers)
+        tracing.inject(headers)  # the caller's span, continued by the participant
         if data is not None:
             headers["Content-Type"] = "application/json"
         try:

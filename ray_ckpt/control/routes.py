@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
 
+from ray_ckpt import tracing
 from ray_ckpt.control.wire import OPERATIONS
 from ray_ckpt.errors import CheckpointError, InvalidRequest, Reason
 from ray_ckpt.identity import ROLLOUT_PATH_PREFIX, parse_rollout_path
 from ray_ckpt.settings import CheckpointSettings
+from ray_ckpt.tracing import TRACE_HEADERS
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +114,16 @@ class _Gate:
     async def status(self) -> tuple[int, bytes]:
         return await self._run("status", self._status)
 
-    async def call(self, op: str, body: bytes) -> tuple[int, bytes]:
-        return await self._run(op, lambda: self.target.handle(op, body))
+    async def call(
+        self, op: str, body: bytes, carrier: Mapping[str, str] | None = None
+    ) -> tuple[int, bytes]:
+        """`carrier`: the request's trace headers (a span of the caller's trace)."""
+        attrs = {
+            "ray_ckpt.kind": getattr(self.target, "kind", None),
+            "ray_ckpt.instance": getattr(self.target, "instance", None),
+        }
+        with tracing.span(f"ray_ckpt.participant.{op}", attrs, carrier):
+            return await self._run(op, lambda: self.target.handle(op, body))
 
     async def _status(self) -> dict[str, Any]:
         return self.target.status()
@@ -194,7 +204,8 @@ def _aiohttp_handlers(
                 body = await _read_limited(request, gate.max_body_bytes)
             except BodyTooLarge:
                 return _too_large(gate)
-            return _json(*await gate.call(op, body))
+            carrier = {h: request.headers[h] for h in TRACE_HEADERS if h in request.headers}
+            return _json(*await gate.call(op, body, carrier))
 
         return handler
 
