@@ -1,7 +1,7 @@
 """The README's Python snippets against the code, so they cannot drift: each
 parses, its imports import, and every call it makes on the handle (`gym.x(...)`)
 or on a `PendingCheckpoint` names a method that exists and keywords it takes.
-(They need a cluster and the reader's own actors to run; `examples/` runs.)"""
+(Without Ray; `tests/e2e/test_readme_runs.py` runs them on the shared cluster.)"""
 
 from __future__ import annotations
 
