@@ -19,6 +19,12 @@ cycle_s / (9 * fanout_s) is kept for comparison with earlier runs; it divides
 by nine fan-outs to all P, while eight of the nine steps reach only P/4, so it
 understates the coordinator's overhead.
 
+The coordinator journals where it does by default, in Ray's GCS key-value
+store (`--journal dir`: fsync'd files in a directory, as with `state_dir`).
+The checkpoints are written to the temp directory's disk: the floor holds no
+storage, so each participant's commit (its records file and manifest,
+created durably) is part of what the cycle adds.
+
 `--simulated N` measures the coordinator's own cost past what one machine
 can host (`benchmarks/coordination_sim.py`): a real `CoordinatorCore` against
 N in-process fake hosts, `coordinator_us_per_participant` for a full cycle
@@ -125,7 +131,7 @@ def progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run_one(p: int, reps: int, workdir: str) -> dict[str, float | int]:
+def run_one(p: int, reps: int, workdir: str, journal: str = "gcs") -> dict[str, float | int]:
     import ray
 
     from coordination.coordinator import get_or_create_coordinator
@@ -140,9 +146,10 @@ def run_one(p: int, reps: int, workdir: str) -> dict[str, float | int]:
         for i in range(p)
     ]
     ray.get([h.noop.remote({}) for h in hosts])
-    coord = get_or_create_coordinator(
-        namespace, state_dir=os.path.join(workdir, f"state-{p}"), auto_discover=False
-    )
+    # The journal where users keep it by default (Ray's GCS key-value store),
+    # or, with --journal dir, a directory of fsync'd files.
+    state_dir = os.path.join(workdir, f"state-{p}") if journal == "dir" else None
+    coord = get_or_create_coordinator(namespace, state_dir=state_dir, auto_discover=False)
     ray.get([coord.register_actor.remote(KINDS[i % 4], f"h{i}", h) for i, h in enumerate(hosts)])
     progress(f"P={p}: {p} hosts up in {time.monotonic() - t0:.1f}s")
 
@@ -212,6 +219,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="with --simulated: the sizes that show how the cost grows",
     )
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions (>= 3)")
+    ap.add_argument(
+        "--journal",
+        choices=("gcs", "dir"),
+        default="gcs",
+        help="the coordinator's journal: Ray's GCS KV store (the default) or a directory",
+    )
     ap.add_argument("--address", default=None, help="attach to a cluster instead of a local one")
     ap.add_argument("--json", action="store_true", help='last line: {"runs": [...]}')
     args = ap.parse_args(argv)
@@ -243,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = []
     try:
         for p in sizes:
-            runs.append(run_one(p, reps, workdir))
+            runs.append(run_one(p, reps, workdir, args.journal))
     finally:
         ray.shutdown()
         shutil.rmtree(workdir, ignore_errors=True)
