@@ -101,6 +101,7 @@ async def measure(n: int, reps: int, progress: Callable[[str], None]) -> dict[st
         journal=Journal(None),
         timeouts=timeouts,
         manifest_writer=_encode_only,
+        latest_writer=None,  # no pointer: nothing on disk
         manifest_reader=lambda d: (None, set()),
     )
     for h in hosts:

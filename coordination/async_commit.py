@@ -69,6 +69,7 @@ async def confirm_durable(
     except Exception as exc:
         err = exc if isinstance(exc, CheckpointError) else CheckpointError(repr(exc))
         raise coordination_failed("commit", cid, {"gym-manifest": failure(err)}) from None
+    await driver._write_latest(checkpoint_dir, cid)
     driver.timeline.span(cid, COORDINATOR_ROW, "publish", publishing, driver.clock.now())
     written = {k: manifest_bytes(r.get("manifest")) for k, r in out.replies.items()}
     return DurableResult(

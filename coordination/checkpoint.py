@@ -110,8 +110,13 @@ async def commit(
     deadline_s: float | None = None,
     publish_by: float | None = None,
     durability: str = "sync",
+    defer_latest: bool = False,
 ) -> CommitResult:
     """Commit the prepared checkpoint everywhere, then the Gym manifest (lock held).
+
+    Then the parent's LATEST pointer, unless `defer_latest`: a caller that
+    resumes at once writes it alongside the resume (`driver._write_latest`),
+    since the checkpoint is complete with its Gym manifest.
 
     `publish_by` (the clock's time): the latest the Gym manifest may start
     being written.  Past it the checkpoint fails whole (`DeadlineExceeded`,
@@ -200,6 +205,8 @@ async def commit(
         except Exception as exc:
             err = exc if isinstance(exc, CheckpointError) else CheckpointError(repr(exc))
             raise coordination_failed("commit", cid, {"gym-manifest": failure(err)}) from None
+        if not defer_latest:
+            await driver._write_latest(checkpoint_dir, cid)
         manifest_s = time.monotonic() - m_start
         await driver._record(
             JournalEntry(

@@ -42,7 +42,7 @@ from coordination.results import (
     ResumeResult,
     RetireResult,
 )
-from coordination.roots import write_gym_manifest_and_latest
+from coordination.roots import write_latest_quietly
 from coordination.status import participant_rows
 from ray_ckpt import tracing
 from ray_ckpt.errors import CheckpointError, DeadlineExceeded, InvalidPhase, InvalidRequest
@@ -63,8 +63,8 @@ class CoordinatorCore(PhaseDriver):
         metrics: CoordinatorMetrics | None = None,
         **kwargs: Any,
     ) -> None:
-        # The real writer also points the parent's LATEST at the checkpoint.
-        kwargs.setdefault("manifest_writer", write_gym_manifest_and_latest)
+        # After the Gym manifest, the parent's LATEST names the checkpoint.
+        kwargs.setdefault("latest_writer", write_latest_quietly)
         super().__init__(**kwargs)
         self.manifest_reader = manifest_reader
         # Only when a restore asks for it (`allow_without_gym_manifest`).
@@ -226,9 +226,20 @@ class CoordinatorCore(PhaseDriver):
                 deadline_s=commit_s,
                 publish_by=publish_by,
                 durability=durability,
+                defer_latest=resume,
             )
             members = self._hosts(self._members())  # before the resume unfreezes them
-            resumed = await self._resume() if resume else None
+            if not resume:
+                resumed = None
+            elif committed.pending:
+                resumed = await self._resume()
+            else:
+                # Complete with its Gym manifest: the pointer is written while
+                # the Gym resumes (one durable replace off the pause), and both
+                # end before the lock is let go, so LATEST never goes back.
+                resumed, _ = await asyncio.gather(
+                    self._resume(), self._write_latest(checkpoint_dir, committed.checkpoint_id)
+                )
             if committed.pending:
                 self._confirm_later(
                     prepared.checkpoint_id, checkpoint_dir, scope, members, commit_s

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 ManifestWriter = Callable[[str, str, list[dict[str, Any]]], Any]
+LatestWriter = Callable[[str, str], None]
 # checkpoint dir → (source checkpoint ID, {(kind, instance)} listed in its Gym manifest)
 ManifestReader = Callable[[str], tuple[str | None, set[tuple[str, str]]]]
 

@@ -33,7 +33,7 @@ from coordination.calls import reply_timeout
 from coordination.fanout import Outcome, failure, fan_out
 from coordination.hosts import Host, PauseTarget
 from coordination.journal import Journal, JournalEntry, JournalStore, encode
-from coordination.manifests import ManifestWriter, write_gym_manifest_from_replies
+from coordination.manifests import LatestWriter, ManifestWriter, write_gym_manifest_from_replies
 from coordination.order import Member, resume_groups
 from coordination.pause import ControllerPauses
 from coordination.renewer import LeaseRenewer
@@ -54,12 +54,15 @@ class PhaseDriver:
         journal: JournalStore | None = None,
         timeouts: Timeouts | None = None,
         manifest_writer: ManifestWriter = write_gym_manifest_from_replies,
+        latest_writer: LatestWriter | None = None,
         pause_mode: str = "full",
     ) -> None:
         self.clock = clock
         self.journal: JournalStore = journal or Journal(None)
         self.timeouts = timeouts or Timeouts()
         self.manifest_writer = manifest_writer
+        # After the Gym manifest: the parent's LATEST (None: no pointer kept).
+        self.latest_writer = latest_writer
         self.hosts: dict[str, Host] = {}
         self.open: JournalEntry | None = None
         # The open checkpoint's (or restore's) members, frozen when it opened:
@@ -203,6 +206,7 @@ class PhaseDriver:
         deadline_s: float | None = None,
         publish_by: float | None = None,
         durability: str = "sync",
+        defer_latest: bool = False,
     ) -> CommitResult:
         return await checkpoint.commit(
             self,
@@ -213,7 +217,13 @@ class PhaseDriver:
             deadline_s=deadline_s,
             publish_by=publish_by,
             durability=durability,
+            defer_latest=defer_latest,
         )
+
+    async def _write_latest(self, checkpoint_dir: str, checkpoint_id: str) -> None:
+        """The LATEST pointer of a checkpoint whose Gym manifest is written."""
+        if self.latest_writer is not None:
+            await asyncio.to_thread(self.latest_writer, checkpoint_dir, checkpoint_id)
 
     # --- resume / abort --------------------------------------------------------
     async def _resume(self, deadline_s: float | None = None) -> ResumeResult:

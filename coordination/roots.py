@@ -42,11 +42,17 @@ def write_gym_manifest_and_latest(
     that cannot be written is logged, never a failed checkpoint: `latest`
     then falls back to the newest complete checkpoint by time."""
     gym = write_gym_manifest_from_replies(checkpoint_dir, checkpoint_id, manifests)
+    write_latest_quietly(checkpoint_dir, checkpoint_id)
+    return gym
+
+
+def write_latest_quietly(checkpoint_dir: str, checkpoint_id: str) -> None:
+    """`<parent>/LATEST` naming a complete checkpoint; a failure is logged
+    (the checkpoint is complete without it: `latest` falls back by time)."""
     try:
         write_latest_for(checkpoint_dir, checkpoint_id)
     except (CheckpointError, OSError) as exc:
         log.warning("checkpoint %s is complete; LATEST not updated: %s", checkpoint_dir, exc)
-    return gym
 
 
 async def writable(location: str) -> None:

@@ -41,6 +41,7 @@ class Fleet:
     store: MemoryStore
     log: Log
     manifests: list[tuple[str, str, list[dict[str, Any]]]] = field(default_factory=list)
+    latests: list[tuple[str, str]] = field(default_factory=list)
 
     def phases(self) -> dict[str, str]:
         return {k: c.state.phase.value for k, c in self.ctrls.items()}
@@ -81,6 +82,11 @@ def make_fleet(
     def writer(d: str, cid: str, ms: list[dict[str, Any]]) -> None:
         manifests.append((d, cid, ms))
 
+    latests: list[tuple[str, str]] = []
+
+    def latest(d: str, cid: str) -> None:
+        latests.append((d, cid))
+
     def reader(d: str) -> tuple[str | None, set[tuple[str, str]]]:
         if listed is not None:
             return "ckpt-src", listed
@@ -91,10 +97,12 @@ def make_fleet(
         journal=Journal(state_dir),
         timeouts=timeouts,
         manifest_writer=writer,
+        latest_writer=latest,
         manifest_reader=reader,
     )
     fleet = Fleet(core, {}, {}, {}, store, log)
     fleet.manifests = manifests
+    fleet.latests = latests
     for key in members:
         fleet.add(key)
     return fleet

@@ -332,3 +332,21 @@ async def test_the_renewer_keeps_short_leases_alive_whatever_renew_every_s() -> 
         assert set(f.phases().values()) == {"idle"}
     finally:
         await f.aclose()
+
+
+async def test_latest_follows_the_gym_manifest_before_the_checkpoint_returns(
+    fleet: Fleet,
+) -> None:
+    """LATEST is written while the Gym resumes (off the pause), yet before the
+    call returns, and only once the Gym manifest is; a commit that does not
+    resume writes it itself; a failed checkpoint writes none."""
+    res = await fleet.core.checkpoint("/ck/a", [EpisodeId("r1")])
+    assert fleet.latests == [("/ck/a", res.checkpoint_id)]
+    assert [m[1] for m in fleet.manifests] == [res.checkpoint_id]
+    held = await fleet.core.checkpoint("/ck/b", [EpisodeId("r1")], resume=False)
+    assert fleet.latests[-1] == ("/ck/b", held.checkpoint_id)
+    await fleet.core.resume()
+    fleet.parts["agent/agent"].start("stuck-1")  # never at a boundary: prepare fails
+    with pytest.raises(CoordinationFailed):
+        await fleet.core.checkpoint("/ck/c", [EpisodeId("r1")])
+    assert len(fleet.latests) == 2
