@@ -189,6 +189,7 @@ async def commit(
                 pending=True,
             )
         manifests = [dict(as_mapping(r.get("manifest"))) for _, r in sorted(out.replies.items())]
+        driver.learn_layout(out.replies)
         late = None if publish_by is None else driver.clock.now() - publish_by
         if late is not None and late > 0:
             late_err = DeadlineExceeded(

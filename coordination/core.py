@@ -42,7 +42,7 @@ from coordination.results import (
     ResumeResult,
     RetireResult,
 )
-from coordination.roots import write_latest_quietly
+from coordination.roots import precreate_participant_dirs, write_latest_quietly
 from coordination.status import participant_rows
 from ray_ckpt import tracing
 from ray_ckpt.errors import CheckpointError, DeadlineExceeded, InvalidPhase, InvalidRequest
@@ -212,6 +212,9 @@ class CoordinatorCore(PhaseDriver):
             # `LATEST` never goes back in time (the participants' prepare
             # would wait for its writes anyway).
             await self.pending.settle()
+            known = [self.layout[k] for k in sorted(self.hosts) if k in self.layout]
+            if known:  # before the pause: see `precreate_participant_dirs`
+                await asyncio.to_thread(precreate_participant_dirs, checkpoint_dir, known)
             start = time.monotonic()
             if publish_by is not None:
                 prepare_s = self._fit(prepare_s, self.timeouts.prepare_s, publish_by)

@@ -37,6 +37,7 @@ from coordination.manifests import LatestWriter, ManifestWriter, write_gym_manif
 from coordination.order import Member, resume_groups
 from coordination.pause import ControllerPauses
 from coordination.renewer import LeaseRenewer
+from coordination.replies import as_mapping
 from coordination.results import CommitResult, PrepareResult, ResumeResult, Timeouts
 from coordination.timeline import COORDINATOR_ROW, TimelineRecorder
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
@@ -63,6 +64,9 @@ class PhaseDriver:
         self.manifest_writer = manifest_writer
         # After the Gym manifest: the parent's LATEST (None: no pointer kept).
         self.latest_writer = latest_writer
+        # Member key -> (kind, instance) its last committed manifest named:
+        # the folders the next checkpoint creates before it pauses anyone.
+        self.layout: dict[str, tuple[str, str]] = {}
         self.hosts: dict[str, Host] = {}
         self.open: JournalEntry | None = None
         # The open checkpoint's (or restore's) members, frozen when it opened:
@@ -219,6 +223,14 @@ class PhaseDriver:
             durability=durability,
             defer_latest=defer_latest,
         )
+
+    def learn_layout(self, replies: Mapping[str, Mapping[str, Any]]) -> None:
+        """Remember each member's (kind, instance) from its commit's manifest."""
+        for key, reply in replies.items():
+            manifest = as_mapping(reply.get("manifest"))
+            kind, instance = manifest.get("kind"), manifest.get("instance")
+            if isinstance(kind, str) and isinstance(instance, str):
+                self.layout[key] = (kind, instance)
 
     async def _write_latest(self, checkpoint_dir: str, checkpoint_id: str) -> None:
         """The LATEST pointer of a checkpoint whose Gym manifest is written."""

@@ -16,7 +16,7 @@ import os
 import pathlib
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from ray_ckpt.errors import InvalidCheckpointState
 
@@ -68,17 +68,28 @@ def fsync_dir(path: pathlib.Path) -> None:
 
 def ensure_dir(path: pathlib.Path) -> None:
     """Create `path` and any missing parents, fsyncing each new entry's parent."""
-    missing: list[pathlib.Path] = []
-    p = path
-    while not p.exists():
-        missing.append(p)
-        p = p.parent
-    for d in reversed(missing):
-        try:
-            d.mkdir()
-        except FileExistsError:
-            continue
-        fsync_dir(d.parent)
+    ensure_dirs([path])
+
+
+def ensure_dirs(paths: Iterable[pathlib.Path]) -> None:
+    """`ensure_dir` for many paths at once: every missing folder is created,
+    then each folder that gained an entry is fsynced once (siblings share
+    their parent's fsync), all before this returns."""
+    parents: set[pathlib.Path] = set()
+    for path in paths:
+        missing: list[pathlib.Path] = []
+        p = path
+        while not p.exists():
+            missing.append(p)
+            p = p.parent
+        for d in reversed(missing):
+            try:
+                d.mkdir()
+            except FileExistsError:
+                continue
+            parents.add(d.parent)
+    for parent in sorted(parents, key=lambda d: (-len(d.parts), str(d))):
+        fsync_dir(parent)
 
 
 def unlink_quietly(path: pathlib.Path) -> None:

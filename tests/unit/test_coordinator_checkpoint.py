@@ -350,3 +350,21 @@ async def test_latest_follows_the_gym_manifest_before_the_checkpoint_returns(
     with pytest.raises(CoordinationFailed):
         await fleet.core.checkpoint("/ck/c", [EpisodeId("r1")])
     assert len(fleet.latests) == 2
+
+
+async def test_participant_folders_are_made_before_the_pause_from_the_last_manifests(
+    fleet: Fleet, tmp_path: pathlib.Path
+) -> None:
+    """The second checkpoint finds each member's (kind, instance) in the first's
+    manifests and creates their folders before prepare (this fleet's store is
+    in memory, so only the coordinator can have made them)."""
+    await fleet.core.checkpoint(str(tmp_path / "first"), [EpisodeId("r1")])
+    assert not (tmp_path / "first").exists()
+    assert sorted(fleet.core.layout) == sorted(ORDER)
+    await fleet.core.checkpoint(str(tmp_path / "second"), [EpisodeId("r1")])
+    made = sorted(
+        str(p.relative_to(tmp_path / "second" / "gym"))
+        for p in (tmp_path / "second" / "gym").glob("*/*")
+    )
+    assert made == sorted(f"{kind}/{instance}" for kind, instance in fleet.core.layout.values())
+    assert len(made) == len(ORDER)
