@@ -13,6 +13,12 @@ plus `lease_grace_seconds`); while that lease runs and a checkpoint is open it
 keeps renewing the server's, every half of what the server reports is left.
 A server may therefore run with a short grace: if the host dies, the renewals
 stop, the server's own lease lapses and it resumes by itself.
+
+The host reports the server's metrics as a `ParticipantHost` does (the
+server's process is outside Ray): each forwarded control call, timed here
+with its outcome; the writes in flight the server's replies and status say;
+and a lease expiry when the coordinator's lease held here lapses (the server
+then resumes by itself).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from ray_ckpt.control.protocol import Participant
 from ray_ckpt.control.routes import maybe_install_control_routes
 from ray_ckpt.control.wire import OPERATIONS
 from ray_ckpt.errors import CheckpointError, NotFound, ParticipantUnavailable
+from ray_ckpt.hosting.metrics import HostMetrics
 from ray_ckpt.hosting.spec import NamedControlOps, ServerSpec, current_node_id
 from ray_ckpt.settings import CheckpointSettings
 
@@ -146,6 +153,8 @@ class SidecarHost(NamedControlOps):
         self._ahead = FIRST_RENEW_AHEAD_S
         self._wake = asyncio.Event()
         self._stopped = False
+        self.metrics = HostMetrics(spec.kind)
+        self._writes_in_flight = 0  # as the server last said
         # Ray runs a sync __init__ of an async actor on the actor's loop.
         self._renewer = asyncio.get_running_loop().create_task(self._renew_loop())
 
@@ -169,16 +178,31 @@ class SidecarHost(NamedControlOps):
 
     async def status(self) -> dict[str, Any]:
         self._check_running()
-        return await self.client.status()
+        return self._noted(await self.client.status())
 
     async def call(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
         self._check_running()
         if op == "status":
-            return await self.client.status()
+            return self._noted(await self.client.status())
         if op not in OPERATIONS:
             raise NotFound(f"unknown control operation {op!r}")
-        reply = await self.client.call(op, body)
+        start = self._clock.now()
+        outcome = "failed"
+        try:
+            reply = self._noted(await self.client.call(op, body))
+            outcome = "ok"
+        finally:
+            self.metrics.call_done(
+                op, self._clock.now() - start, outcome, self._writes_in_flight
+            )
         self._track(op, body)
+        return reply
+
+    def _noted(self, reply: dict[str, Any]) -> dict[str, Any]:
+        """Keep the server's count of writes in flight, where a reply says it."""
+        writes = reply.get("writes_in_flight")
+        if isinstance(writes, int) and not isinstance(writes, bool):
+            self._writes_in_flight = writes
         return reply
 
     async def stop(self) -> dict[str, Any]:
@@ -218,6 +242,7 @@ class SidecarHost(NamedControlOps):
             cid = self._open
             if cid is not None and now >= self._lease_until:
                 log.warning("%s: coordinator lease of %s lapsed", self.spec.actor_name, cid)
+                self.metrics.lease_expired()
                 self._open = cid = None
             if cid is None:
                 await self._wake.wait()

@@ -171,3 +171,42 @@ async def test_asgi_sidecar_lease_watcher_runs_without_lifespan() -> None:
         plain,
         None,
     )
+
+
+async def test_a_sidecar_host_reports_the_server_s_metrics(
+    sidecar_process: str, namespace: str, ray_metrics_url: str
+) -> None:
+    """The server runs outside Ray, so its host reports for it: each forwarded
+    call by outcome, and the coordinator's lease lapsing (the server resumes
+    by itself), on Ray's Prometheus endpoint."""
+    from tests.ray.test_metrics_export import scrape_until, total, worker_id
+
+    url = sidecar_process
+    # The coordinator's lease held here lapses 0.5 s after the last deadline.
+    spec = ServerSpec(
+        kind="environment", name="side", url=url, settings=settings_dict(settings(0.5))
+    )
+    host = start_host(spec, namespace=namespace)
+    try:
+        await host.ready.remote()
+        assert (await host.prepare.remote(body("m1")))["phase"] == "prepared"
+        await host.resume.remote(body("m1"))
+        with pytest.raises(StaleCheckpoint):
+            await host.commit.remote(body("m1", checkpoint_dir="/tmp/never"))
+        await host.prepare.remote(body("m2", ahead=0.5))  # then nobody calls again
+        found = await scrape_until(
+            ray_metrics_url,
+            {worker_id(host)},
+            [
+                ("ray_ckpt_control_call_seconds_count", {"op": "prepare", "outcome": "ok"}, 2),
+                ("ray_ckpt_control_call_seconds_count", {"op": "commit", "outcome": "failed"}),
+                ("ray_ckpt_lease_expiries_total", {"kind": "environment"}),
+            ],
+        )
+    finally:
+        await stop_host(host, timeout_s=5)
+    count = "ray_ckpt_control_call_seconds_count"
+    assert total(found, count, op="resume", outcome="ok") == 1
+    assert total(found, count, op="commit", outcome="ok") is None
+    assert total(found, "ray_ckpt_lease_expiries_total") == 1
+    assert total(found, "ray_ckpt_writes_in_flight") == 0
