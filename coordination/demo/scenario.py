@@ -267,6 +267,9 @@ async def restore_and_continue(
 async def crash(fleet: Fleet, rollouts: Rollouts) -> None:
     """Kill every Gym actor (no draining), then drop the driver's in-flight calls."""
     rollouts.lose_next = 0  # replies are lost up to the crash, not after it
+    # Receipts of the dead fleet cannot be acknowledged any more: a result the
+    # checkpoint carried is offered again by `collect()` after the restore.
+    rollouts.receipts.clear()
     fleet.kill()
     await rollouts.abandon()
 
