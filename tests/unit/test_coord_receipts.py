@@ -63,6 +63,11 @@ async def test_collect_gathers_every_environment_and_ack_frees_each_where_held(
     # Only environment participants are asked.
     assert sorted(k for k, h in f.hosts.items() if ("collect", {}) in h.calls) == list(ENVS)
 
+    rows = {r.participant: r for r in (await f.core.status()).participants}
+    assert rows["environment/e0"].unacknowledged_results == 1
+    assert (rows["environment/e1"].unacknowledged_bytes or 0) > 0
+    assert rows["model/policy"].unacknowledged_results == 0
+
     done = await receipts.ack(f.core, [a, b])
     assert done.acknowledged == {"environment/e0": [a], "environment/e1": [b]}
     assert done.already == []
