@@ -7,6 +7,8 @@ import hashlib
 import msgspec
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ray_ckpt.control.wire import Receipt, decode_receipt_request
 from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest, UnknownReceipt
@@ -149,3 +151,55 @@ def test_settings_default_off_with_positive_bounds() -> None:
         "attempt": 0,
         "digest": "b" * 64,
     }
+
+
+# --- property: random hold/ack/retire sequences against a small model ---------------
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["hold", "ack", "ack_stray", "retire"]),
+        st.integers(0, 3),  # rollout
+        st.integers(0, 2),  # attempt
+        st.integers(0, 5),  # result value
+    ),
+    max_size=40,
+)
+
+
+@given(OPS)
+@settings(max_examples=150, deadline=None)
+def test_random_sequences_match_a_model(ops: list[tuple[str, int, int, int]]) -> None:
+    h = held(remember=1000)
+    model: dict[EpisodeId, Receipt] = {}
+    sizes: dict[EpisodeId, int] = {}
+    acked: set[Receipt] = set()
+    for op, r, a, v in ops:
+        eid = EpisodeId(f"r{r}", a)
+        if op == "hold":
+            receipt = h.hold(eid, {"v": v})
+            model[eid] = receipt
+            sizes[eid] = len(orjson.dumps({"v": v}))
+        elif op == "ack" and eid in model:
+            receipt = model.pop(eid)
+            sizes.pop(eid)
+            assert h.ack([receipt]) == ([receipt], [])
+            acked.add(receipt)
+        elif op == "ack_stray":
+            stray = Receipt(rollout_id=f"r{r}", attempt=a, digest=f"{v:064x}")
+            before = h.collect()
+            if stray in acked:
+                h.ack([stray])
+            else:
+                with pytest.raises(UnknownReceipt):
+                    h.ack([*model.values(), stray])
+            assert h.collect() == before  # a refused ack changed nothing
+        elif op == "retire":
+            gone = {e for e in model if e.rollout_id == eid.rollout_id and e.attempt <= a}
+            assert h.drop_retired([eid]) == sorted(result_key(e) for e in gone)
+            for e in gone:
+                model.pop(e)
+                sizes.pop(e)
+        assert [x.receipt for x in h.collect()] == [model[e] for e in sorted(model)]
+        assert (len(h), h.bytes) == (len(model), sum(sizes.values()))
+    assert h.ack(list(model.values()))[0] == list(model.values())
+    assert h.bytes == 0

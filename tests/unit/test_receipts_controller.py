@@ -29,6 +29,8 @@ from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.steps import EpisodeSteps
 from ray_ckpt.steps.participant import EpisodeParticipant
 from ray_ckpt.steps.receipts import ResultReceipts
+from ray_ckpt.storage import write_gym_manifest
+from ray_ckpt.storage.participant_manifest import ParticipantManifest
 from tests.unit.conftest import Serve
 from tests.unit.helpers import body
 
@@ -196,3 +198,24 @@ async def test_ack_route_is_bearer_protected_typed_and_idempotent(
         assert (r.status, (await r.json())["results"]) == (200, [])
     async with http.get(ack_url, headers=AUTH) as r:
         assert (r.status, r.headers["Allow"]) == (405, "POST")
+
+
+async def test_an_incremental_checkpoint_references_the_unchanged_held_result(
+    tmp_path: Path,
+) -> None:
+    ctl, p = env()
+    a = await finish(p, EpisodeId("r1"), {"reward": 1, "text": "x" * 4000})
+    for cid in ("c1", "c2"):
+        await ctl.handle("prepare", body(cid))
+        where = str(tmp_path / cid)
+        reply = await ctl.handle("commit", body(cid, checkpoint_dir=where, episode_ids=[]))
+        manifest = msgspec.convert(reply["manifest"], ParticipantManifest)
+        await asyncio.to_thread(write_gym_manifest, where, checkpoint_id=cid, manifests=[manifest])
+        await ctl.handle("resume", body(cid))
+    refs = [r.key for r in manifest.refs]
+    assert refs == ["result:r1"]  # c2 points into c1 for the unchanged held result
+    ctl2, _ = env()
+    where = str(tmp_path / "c2")
+    await ctl2.handle("restore", body("c2", checkpoint_dir=where, episode_ids=[]))
+    got = (await ctl2.handle("collect", {}))["results"]
+    assert [g["receipt"] for g in got] == wire([a])
