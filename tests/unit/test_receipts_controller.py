@@ -15,6 +15,7 @@ import pytest
 from pydantic import SecretStr
 
 from participants.environment import EnvironmentParticipant
+from ray_ckpt.control.asgi import ControlASGIMiddleware
 from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.control.routes import CHECKPOINT_ROUTE_PREFIX, control_app
 from ray_ckpt.control.wire import Receipt
@@ -24,6 +25,7 @@ from ray_ckpt.errors import (
     ReceiptsOff,
     UnknownReceipt,
 )
+from ray_ckpt.hosting.serving import bind_socket, serve_app, socket_address
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.steps import EpisodeSteps
@@ -168,12 +170,34 @@ async def test_a_checkpoint_carries_unacknowledged_results_into_a_fresh_process(
 # --- the routes ---------------------------------------------------------------------
 
 
+async def _no_app(scope: Any, receive: Any, send: Any) -> None:
+    raise AssertionError("control calls never reach the wrapped app")
+
+
+@pytest.mark.parametrize("front", ["aiohttp", "asgi"])
 async def test_ack_route_is_bearer_protected_typed_and_idempotent(
-    serve: Serve, http: aiohttp.ClientSession
+    serve: Serve, http: aiohttp.ClientSession, front: str
 ) -> None:
     ctl, p = env()
     a = await finish(p, EpisodeId("r1"), {"reward": 1})
-    base = await serve(control_app(ctl, token=TOKEN))
+    serving = None
+    if front == "aiohttp":
+        base = await serve(control_app(ctl, token=TOKEN))
+    else:
+        sock = bind_socket("127.0.0.1", 0)
+        serving = await serve_app(ControlASGIMiddleware(_no_app, ctl, token=TOKEN), sock)
+        host, port = socket_address(sock)
+        base = f"http://{host}:{port}"
+    try:
+        await _ack_route_checks(http, base, ctl, a)
+    finally:
+        if serving is not None:
+            await serving.stop()
+
+
+async def _ack_route_checks(
+    http: aiohttp.ClientSession, base: str, ctl: ParticipantController, a: Receipt
+) -> None:
     ack_url = f"{base}{CHECKPOINT_ROUTE_PREFIX}/ack"
     payload = {"receipts": wire([a])}
     for headers in ({}, {"Authorization": "Bearer nope"}):
