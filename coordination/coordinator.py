@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from coordination import receipts
 from coordination.actor_options import (
     COORDINATOR_NAME,
     coordinator_options,
@@ -38,6 +39,7 @@ from coordination.metrics import TRIGGERS, CoordinatorMetrics, ray_sink
 from coordination.order import Member
 from coordination.periodic import DEFAULT_PREFIX, AssemblerScope
 from coordination.periodic_control import PeriodicControl, PeriodicMemory
+from coordination.receipts import AckResult, CollectResult
 from coordination.registration import (
     discover_named,
     http_host,
@@ -68,6 +70,7 @@ from coordination.results import (
 )
 from coordination.roots import restore_target, writable
 from coordination.timeline import chrome_trace
+from ray_ckpt.control.wire import Receipt
 from ray_ckpt.errors import InvalidRequest
 from ray_ckpt.identity import EpisodeId
 
@@ -367,6 +370,17 @@ class Coordinator:
     async def forget(self, rollout_ids: list[str], deadline_s: float | None = None) -> ForgetResult:
         await self._ready(discover=True)
         return await self.core.forget(rollout_ids, deadline_s=deadline_s)
+
+    # --- completion receipts (coordination.receipts): no lock, no phase -------
+    async def collect(self, deadline_s: float | None = None) -> CollectResult:
+        """Every finished, unacknowledged result of every environment participant."""
+        await self._ready(discover=True)
+        return await receipts.collect(self.core, deadline_s)
+
+    async def ack(self, items: list[Receipt], deadline_s: float | None = None) -> AckResult:
+        """Free these results everywhere; all or nothing (`UnknownReceipt`)."""
+        await self._ready(discover=True)
+        return await receipts.ack(self.core, items, deadline_s)
 
     async def status(self) -> CoordinatorStatus:
         await self._ready(discover=True)

@@ -32,6 +32,7 @@ from coordination import roots
 from coordination.connect import aconnect, connect
 from coordination.drain_control import DrainStatus, Relauncher
 from coordination.handle_members import MemberCalls
+from coordination.handle_receipts import ReceiptCalls
 from coordination.pending import PendingCheckpoint
 from coordination.periodic import DEFAULT_PREFIX
 from coordination.remote import CoordinatorCalls, EpisodeLike, episodes, restore_args
@@ -55,7 +56,7 @@ from ray_ckpt.storage.retention import DEFAULT_GRACE_S, GcPlan
 __all__ = ["CoordinatorHandle", "EpisodeLike", "aconnect", "connect", "episodes"]
 
 
-class CoordinatorHandle(MemberCalls):
+class CoordinatorHandle(MemberCalls, ReceiptCalls):
     def __init__(self, actor: Any, namespace: str) -> None:
         self.actor = actor
         self.namespace = namespace

@@ -139,6 +139,10 @@ class ParticipantStatus(msgspec.Struct, frozen=True, kw_only=True):
     # Commit writes under way (None: a participant that does not say).
     writes_in_flight: int | None = None
     error: str | None = None
+    # Completion receipts: finished results held until acknowledged (None:
+    # a participant that does not say).
+    unacknowledged_results: int | None = None
+    unacknowledged_bytes: int | None = None
 
 
 class PeriodicStatus(msgspec.Struct, frozen=True, kw_only=True):

@@ -65,4 +65,6 @@ def status_row(host: Host, task: asyncio.Future[dict[str, Any]]) -> ParticipantS
         blocker_count=blocker_count(report),
         blocker_details=blocker_details(report),
         writes_in_flight=int_or_none(s.get("writes_in_flight")),
+        unacknowledged_results=int_or_none(s.get("unacknowledged_results")),
+        unacknowledged_bytes=int_or_none(s.get("unacknowledged_bytes")),
     )

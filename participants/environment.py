@@ -18,24 +18,123 @@ A restored episode is continued by `/run` for attempt + 1 of the same task,
 which claims the boundary exactly once; a continuation whose task differs is
 refused in `EpisodeSteps.begin` (`expect_task`), before anything changes, so
 the restored boundary stays for the correct continuation.  The participant
-hooks are the `EpisodeSteps` ones.
+hooks are the `EpisodeSteps` ones, plus completion receipts when they are on
+(`EnvironmentParticipant`, `ray_ckpt.steps.receipts`): each finished result
+is held until acknowledged, exported with every checkpoint and installed
+again by a restore; a scope naming a finished, unacknowledged episode is
+refused (`FinishedInScope`), and past the configured bounds the participant
+is not ready (blocker `unacknowledged-results:N`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import msgspec
+
 from participants.common import digest
-from ray_ckpt.errors import InvalidRequest
-from ray_ckpt.identity import EpisodeId
+from ray_ckpt.control.wire import Blocker, PrepareReport, Receipt
+from ray_ckpt.errors import FinishedInScope, InvalidCheckpointState, InvalidRequest
+from ray_ckpt.identity import EpisodeId, is_result_key
 from ray_ckpt.steps import Episode, EpisodeSteps, restart_from_headers, verify_mode_from_headers
 from ray_ckpt.steps.participant import EpisodeParticipant
+from ray_ckpt.steps.receipts import ResultReceipts
+from ray_ckpt.storage.record import Record
 
 
-def environment_participant(steps: EpisodeSteps) -> EpisodeParticipant:
-    return EpisodeParticipant("environment", steps)
+class EnvironmentParticipant(EpisodeParticipant):
+    """The `EpisodeSteps` hooks, plus the held results when receipts are on.
+
+    `receipts` is the optional hook the controller's `ack` and `collect`
+    look up: None (receipts off) keeps every hook exactly the episodes' own."""
+
+    def __init__(self, steps: EpisodeSteps, receipts: ResultReceipts | None = None) -> None:
+        super().__init__("environment", steps)
+        self.receipts = receipts
+        self._notify: Callable[[], None] = _nothing
+
+    def bind(self, notify: Callable[[], None]) -> None:
+        self._notify = notify
+        super().bind(notify)
+
+    def hold(self, episode: EpisodeId, result: Any) -> Receipt | None:
+        """Keep a finished result until acknowledged; its receipt (None: receipts off)."""
+        if self.receipts is None:
+            return None
+        receipt = self.receipts.hold(episode, result)
+        self._notify()  # may pass a bound: readiness changed
+        return receipt
+
+    def ready(self) -> bool:
+        return self.steps.ready() and (self.receipts is None or self.receipts.blocker() is None)
+
+    def report(self, limit: int) -> PrepareReport:
+        report = self.steps.report(limit)
+        key = None if self.receipts is None else self.receipts.blocker()
+        if key is None:
+            return report
+        assert self.receipts is not None
+        blocker = Blocker(
+            key=key,
+            state="unacknowledged",
+            detail=f"{len(self.receipts)} results, {self.receipts.bytes} bytes held: "
+            f"over the bound of {self.receipts.max_results} results or "
+            f"{self.receipts.max_bytes} bytes; acknowledge them",
+        )
+        return msgspec.structs.replace(
+            report,
+            ready=False,
+            blockers=[blocker, *report.blockers][: max(limit, 1)],
+            blocker_count=max(report.blocker_count, len(report.blockers)) + 1,
+        )
+
+    async def export(self, scope: Sequence[EpisodeId] | None) -> list[Record]:
+        if self.receipts is None:
+            return await super().export(scope)
+        named = self.receipts.named_by(scope or ())
+        if named:
+            raise FinishedInScope(
+                f"commit scope names finished, unacknowledged episodes {named}: "
+                "collect and acknowledge their results instead of resuming them"
+            )
+        return [*await super().export(scope), *self.receipts.export()]
+
+    async def install(self, records: Sequence[Record]) -> list[EpisodeId]:
+        results = [r for r in records if is_result_key(r.key)]
+        if results and self.receipts is None:
+            # Restored where receipts are off: the results must not vanish.
+            raise InvalidCheckpointState(
+                f"the checkpoint holds {len(results)} unacknowledged results; "
+                "restore it with checkpoint.completion_receipts on"
+            )
+        staged = ResultReceipts.stage(results)  # all validated before anything installs
+        installed = await super().install([r for r in records if not is_result_key(r.key)])
+        if self.receipts is not None:
+            self.receipts.install(staged)
+        return installed
+
+    async def retire(self, episode_ids: Sequence[EpisodeId]) -> list[str]:
+        keys = await super().retire(episode_ids)
+        if self.receipts is not None:
+            keys += self.receipts.drop_retired(episode_ids)
+            self._notify()
+        return keys
+
+    def forget(self, rollout_ids: list[str]) -> None:
+        if self.receipts is not None:
+            self.receipts.forget(rollout_ids)
+
+
+def _nothing() -> None:
+    return None
+
+
+def environment_participant(
+    steps: EpisodeSteps, receipts: ResultReceipts | None = None
+) -> EnvironmentParticipant:
+    return EnvironmentParticipant(steps, receipts)
 
 
 class Downstream(Protocol):

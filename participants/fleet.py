@@ -54,6 +54,9 @@ class FleetConfig(msgspec.Struct, frozen=True, kw_only=True):
     resources_mode: str = "exported"  # exported | stateless | restart_only
     model_seed: int = 0
     suffix: str = ""
+    # `checkpoint.completion_receipts`: the environment holds each finished
+    # result until the driver acknowledges it (`handle.ack`).
+    completion_receipts: bool = False
 
     def server_name(self, kind: str) -> str:
         return f"ref-{kind.replace('_', '-')}" + (f"-{self.suffix}" if self.suffix else "")
@@ -65,6 +68,7 @@ class FleetConfig(msgspec.Struct, frozen=True, kw_only=True):
             enabled=True,
             control_auth_token=SecretStr(self.token),
             lease_grace_seconds=self.lease_grace_seconds,
+            completion_receipts=self.completion_receipts,
         )
 
 

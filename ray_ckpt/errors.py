@@ -32,6 +32,10 @@ class Reason(StrEnum):
     INVALID_CHECKPOINT_STATE = "invalid_checkpoint_state"
     PARTICIPANT_UNAVAILABLE = "participant_unavailable"
     COORDINATION_FAILED = "coordination_failed"
+    # Completion receipts (`ray_ckpt.steps.receipts`).
+    UNKNOWN_RECEIPT = "unknown_receipt"
+    FINISHED_IN_SCOPE = "finished_in_scope"
+    RECEIPTS_OFF = "receipts_off"
 
     @property
     def http_status(self) -> int:
@@ -59,6 +63,9 @@ _HTTP_STATUS: dict[Reason, int] = {
     Reason.INVALID_CHECKPOINT_STATE: 422,
     Reason.PARTICIPANT_UNAVAILABLE: 503,
     Reason.COORDINATION_FAILED: 502,
+    Reason.UNKNOWN_RECEIPT: 404,
+    Reason.FINISHED_IN_SCOPE: 409,
+    Reason.RECEIPTS_OFF: 409,
 }
 
 # Retrying the same call can succeed: the deadline was too short, admission
@@ -168,6 +175,26 @@ class ParticipantUnavailable(CheckpointError):
     reason = Reason.PARTICIPANT_UNAVAILABLE
 
 
+class UnknownReceipt(CheckpointError):
+    """An acknowledged receipt names no result held (or acknowledged) here."""
+
+    reason = Reason.UNKNOWN_RECEIPT
+
+
+class FinishedInScope(CheckpointError):
+    """A commit scope names an episode whose result is finished but unacknowledged:
+    it would be both a result to deliver and work to resume."""
+
+    reason = Reason.FINISHED_IN_SCOPE
+
+
+class ReceiptsOff(CheckpointError):
+    """An acknowledgement reached a participant that holds no results
+    (completion receipts off, or a kind that finishes no episodes)."""
+
+    reason = Reason.RECEIPTS_OFF
+
+
 class CoordinationFailed(CheckpointError):
     """A coordinated phase failed; `failures` names each participant and why."""
 
@@ -211,6 +238,9 @@ _BY_REASON: dict[Reason, type[CheckpointError]] = {
         NotFound,
         MethodNotAllowed,
         ParticipantUnavailable,
+        UnknownReceipt,
+        FinishedInScope,
+        ReceiptsOff,
     )
 }
 

@@ -32,6 +32,9 @@ MAX_ROLLOUT_ID_LENGTH = 1024
 MAX_CAPTURE_KEY_LENGTH = MAX_ROLLOUT_ID_LENGTH + 24
 
 ROLLOUT_PATH_PREFIX = "ng-rollout"
+# The key of a finished, unacknowledged result's record (completion receipts):
+# ':' never occurs in a capture key, so the two kinds of record never collide.
+RESULT_KEY_PREFIX = "result:"
 
 RolloutIdStr = Annotated[
     str, msgspec.Meta(min_length=1, max_length=MAX_ROLLOUT_ID_LENGTH, pattern=ID_PATTERN)
@@ -118,3 +121,27 @@ def parse_rollout_path(path: str) -> tuple[EpisodeId | None, str]:
     if not key:
         raise InvalidRequest(f"empty capture key in {path!r}")
     return EpisodeId.from_capture_key(key), "/" + tail if sep else "/"
+
+
+def result_key(episode: EpisodeId) -> str:
+    """The record key of `episode`'s held result (never a capture key)."""
+    return RESULT_KEY_PREFIX + episode.capture_key
+
+
+def is_result_key(key: str) -> bool:
+    return key.startswith(RESULT_KEY_PREFIX)
+
+
+def episode_of_result_key(key: str) -> EpisodeId:
+    """The episode a result record belongs to; `InvalidRequest` if malformed."""
+    if not is_result_key(key):
+        raise InvalidRequest(f"{key!r} is not a result record key")
+    return EpisodeId.from_capture_key(key[len(RESULT_KEY_PREFIX) :])
+
+
+def check_record_key(key: str) -> EpisodeId:
+    """A stored record's key: a capture key, or a held result's
+    ``result:<capture key>``; the episode it names (`InvalidRequest` if malformed)."""
+    if isinstance(key, str) and is_result_key(key):
+        return episode_of_result_key(key)
+    return EpisodeId.from_capture_key(key)

@@ -51,6 +51,15 @@ class CheckpointSettings(BaseModel):
     # fraction of the earlier files they point into.  1 turns references off.
     incremental_full_every: int = Field(default=8, ge=1)
     incremental_min_live_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
+    # Completion receipts (`ray_ckpt.steps.receipts`): an environment server
+    # keeps each finished result until the trainer acknowledges it, and a
+    # checkpoint carries the unacknowledged ones.  Off: results are released
+    # on delivery, as before.  Effective only with `enabled`.
+    completion_receipts: bool = False
+    # Beyond either bound, prepare reports the blocker `unacknowledged-results:N`
+    # instead of letting the held results grow without limit.
+    max_unacknowledged_results: int = Field(default=10_000, gt=0)
+    max_unacknowledged_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
 
     @model_validator(mode="after")
     def _token_when_enabled(self) -> CheckpointSettings:

@@ -46,6 +46,9 @@ class DemoReport:
     durability: str = "sync"
     resumed_s: float | None = None  # async: from the call to the Gym resumed
     durable_s: float | None = None  # async: from the call to the Gym manifest written
+    completion_receipts: bool = False
+    replies_lost: int = 0  # results whose reply the driver lost before the checkpoint
+    results_recovered_by_receipt: int = 0  # ... and got back by `collect()` after the restore
 
     def add_checkpoint(self, prepared: PrepareResult, committed: CommitResult) -> None:
         self.checkpoint_id = committed.checkpoint_id
@@ -78,6 +81,7 @@ class DemoReport:
         self.restore_s = cont.restore_s
         self.continued = sorted(cont.continued)
         self.restarted = sorted(cont.restarted)
+        self.results_recovered_by_receipt = len(cont.recovered)
 
     def compare(
         self,
@@ -117,6 +121,8 @@ class DemoReport:
             out.append("nothing was in flight at the checkpoint")
         if not self.continued:
             out.append("no episode was continued from the checkpoint")
+        if self.completion_receipts and self.results_recovered_by_receipt < self.replies_lost:
+            out.append("a lost reply's result was not recovered by receipt")
         return out
 
     @property
@@ -155,6 +161,9 @@ class DemoReport:
             "durability": self.durability,
             "resumed_s": None if self.resumed_s is None else round(self.resumed_s, 4),
             "durable_s": None if self.durable_s is None else round(self.durable_s, 4),
+            "completion_receipts": self.completion_receipts,
+            "replies_lost": self.replies_lost,
+            "results_recovered_by_receipt": self.results_recovered_by_receipt,
         }
 
 
@@ -190,6 +199,12 @@ class Ui:
             ("finished before the crash", str(r.finished_before_crash)),
             ("episodes continued", str(len(r.continued))),
             ("episodes restarted", str(len(r.restarted))),
+            (
+                "replies lost / recovered by receipt",
+                f"{r.replies_lost} / {r.results_recovered_by_receipt}"
+                if r.completion_receipts
+                else "receipts off",
+            ),
             ("checkpoint (prepare + commit)", f"{s['checkpoint_s']:.3f} s"),
             *(
                 [

@@ -62,9 +62,16 @@ class DemoOptions:
     grace_s: float = 25.0
     timeline: str | None = None  # write the checkpoint's Chrome trace here
     durability: str = "sync"  # "async": resume once captured, then wait for durable
+    # Completion receipts: the environment holds each result until the driver
+    # acknowledges it; the driver loses the first `lose_replies` replies and
+    # gets those results back by `collect()` after the restore.
+    receipts: bool = True
+    lose_replies: int = 2
 
 
-def fleet_config(opts: DemoOptions, *, suffix: str, namespace: str) -> FleetConfig:
+def fleet_config(
+    opts: DemoOptions, *, suffix: str, namespace: str, receipts: bool = False
+) -> FleetConfig:
     return FleetConfig(
         namespace=namespace,
         token=uuid.uuid4().hex,
@@ -75,6 +82,7 @@ def fleet_config(opts: DemoOptions, *, suffix: str, namespace: str) -> FleetConf
         turns_per_step=2,
         model_seed=opts.seed,
         suffix=suffix,
+        completion_receipts=receipts,
     )
 
 
@@ -96,6 +104,23 @@ async def _wait_for_mixed_work(fleet: Any, rollouts: Rollouts, timeout_s: float)
             break
         await asyncio.sleep(0.02)
     return seen
+
+
+def lost_replies_wanted(opts: DemoOptions) -> int:
+    """How many replies the driver loses: `--lose-replies`, at most a quarter
+    of the rollouts (at least one), so most are still in flight at the checkpoint."""
+    if not opts.receipts:
+        return 0
+    return min(opts.lose_replies, max(opts.rollouts // 4, 1))
+
+
+async def _wait_for_lost(rollouts: Rollouts, n: int, timeout_s: float) -> None:
+    """Until `n` replies were lost, nothing is left running, or the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while len(rollouts.lost_replies) < n and time.monotonic() < deadline:
+        if len(rollouts.results) + len(rollouts.lost_replies) >= len(rollouts.tasks):
+            return
+        await asyncio.sleep(0.02)
 
 
 async def run_demo(opts: DemoOptions, ui: Ui, ray_nodes: LocalRay | None = None) -> DemoReport:
@@ -120,7 +145,7 @@ async def run_demo(opts: DemoOptions, ui: Ui, ray_nodes: LocalRay | None = None)
     run_s = base.span_s()
 
     handle = connect(namespace=ns, address=opts.address)
-    config = fleet_config(opts, suffix="", namespace=ns)
+    config = fleet_config(opts, suffix="", namespace=ns, receipts=opts.receipts)
     placement = local.placement(avoid=await node_of(handle.actor) if local.workers else None)
     fleet = await launch_fleet(config, placement=placement)
     report.placement["before"] = fleet.placement
@@ -131,16 +156,27 @@ async def run_demo(opts: DemoOptions, ui: Ui, ray_nodes: LocalRay | None = None)
         async with data_session(1024, 512) as session:
             # 2. Rollouts, then a checkpoint while work is in flight.
             with ui.phase("rollouts until mid-flight", total=None):
+                to_lose = lost_replies_wanted(opts)
+                rollouts.lose_next = to_lose
                 for i, rollout in enumerate(rollouts.tasks):
                     rollouts.start(
                         session, fleet.urls["environment"], rollout, delay_s=i * opts.stagger_s
                     )
                 # At the latest 60% through (as long as the uninterrupted
                 # run took), so short runs still checkpoint mid-flight.
+                # The first replies are lost (a crash of the driver's calls would
+                # lose them the same way) while the rest are still in flight.
+                await _wait_for_lost(rollouts, to_lose, run_s * 0.6)
                 report.in_flight = await _wait_for_mixed_work(fleet, rollouts, run_s * 0.6)
+            # Replies are lost before the checkpoint only (the checkpoint carries
+            # those results); what the driver stored, its store committed.
+            rollouts.lose_next = 0
+            stored = rollouts.take_receipts()
+            if stored:
+                await handle.aack(stored)
             if opts.durability == "async":
                 with ui.phase("checkpoint (async: resumed once captured)", total=None):
-                    scope = rollouts.unfinished()
+                    scope = rollouts.in_flight()
                     t0 = time.monotonic()
                     pending = await handle.acheckpoint(ckpt_dir, scope, durability="async")
                     report.resumed_s = time.monotonic() - t0
@@ -154,7 +190,7 @@ async def run_demo(opts: DemoOptions, ui: Ui, ray_nodes: LocalRay | None = None)
             else:
                 with ui.phase("checkpoint (prepare, commit)", total=None):
                     prepared = await handle.aprepare()
-                    scope = rollouts.unfinished()
+                    scope = rollouts.in_flight()
                     committed = await handle.acommit(ckpt_dir, scope)
                 report.add_checkpoint(prepared, committed)
                 committed_id = committed.checkpoint_id
@@ -179,9 +215,11 @@ async def run_demo(opts: DemoOptions, ui: Ui, ray_nodes: LocalRay | None = None)
                 replacement = await launch_fleet(config, placement=placement)
                 report.placement["after"] = replacement.placement
                 cont = await restore_and_continue(
-                    handle, replacement, session, ckpt_dir, scope, rollouts
+                    handle, replacement, session, ckpt_dir, scope, rollouts, collect=opts.receipts
                 )
             report.add_restore(cont)
+            report.completion_receipts = opts.receipts
+            report.replies_lost = len(rollouts.lost_replies)
             if opts.timeline:
                 # The checkpoint's picture, its resume to the dead hosts included.
                 trace = await handle.atimeline(committed_id)
@@ -192,6 +230,9 @@ async def run_demo(opts: DemoOptions, ui: Ui, ray_nodes: LocalRay | None = None)
                 rollouts.on_event = lambda _e, _r: advance()
                 await rollouts.wait(timeout_s=300)
             after = await fleet_stats(replacement)
+            stored = rollouts.take_receipts()
+            if stored:
+                await handle.aack(stored)
         report.compare(expected, rollouts, base=base_stats, before=before, after=after)
         return report
     finally:
@@ -281,6 +322,19 @@ def _kill_coordinator(handle: Any) -> None:
     default=None,
     type=click.Path(dir_okay=False),
     help="Write the checkpoint as a Chrome trace / Perfetto JSON to this file.",
+)
+@click.option(
+    "--receipts/--no-receipts",
+    default=True,
+    show_default=True,
+    help="Completion receipts: the Gym holds each result until the driver acks it.",
+)
+@click.option(
+    "--lose-replies",
+    default=2,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="With receipts: the driver loses the first N replies; collect() recovers them.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
 def demo_cli(as_json: bool, namespace: str | None, **kwargs: Any) -> None:

@@ -10,6 +10,12 @@ A rollout is *finished* when its `/run` reply reached the driver; *continued*
 when a restore installed its state and its next attempt ran to the end; and
 *restarted* when no state of it survived, so its next attempt started over
 from the task input.
+
+With completion receipts on, the driver may *lose* replies (`lose_next`: the
+next N results that arrive are dropped, as if the call failed after the Gym
+finished); such a rollout is no longer in flight (`in_flight`) and is
+*recovered by receipt*: `collect()` after a restore returns its result
+(`recover`), and the driver acknowledges what it stored (`take_receipts`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from participants.fleet import Fleet, FleetConfig, launch_fleet
 from participants.rollout import make_tasks, result_digest, run_episode
@@ -68,6 +75,11 @@ class Rollouts:
     on_event: OnEvent = _quiet
     first_start: float | None = None  # monotonic time the first attempt was dispatched
     finished_at: dict[str, float] = field(default_factory=dict)
+    # Completion receipts: each delivered result's receipt, not yet acknowledged.
+    receipts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    lose_next: int = 0  # drop the next N results that arrive (a lost reply)
+    lost_replies: list[str] = field(default_factory=list)
+    recovered: list[str] = field(default_factory=list)  # results collected by receipt
 
     @classmethod
     def make(cls, n: int, steps: int, seed: int, *, prefix: str = "r") -> Rollouts:
@@ -79,6 +91,34 @@ class Rollouts:
 
     def unfinished(self) -> list[EpisodeId]:
         return [self.episode(r) for r in self.tasks if r not in self.results]
+
+    def in_flight(self) -> list[EpisodeId]:
+        """The unfinished rollouts still awaited: a lost reply is not work to
+        resume (its result waits at the Gym for `collect`)."""
+        lost = set(self.lost_replies) - set(self.results)
+        return [e for e in self.unfinished() if e.rollout_id not in lost]
+
+    def take_receipts(self) -> list[dict[str, Any]]:
+        """The receipts of the results stored since the last call (to acknowledge)."""
+        out = list(self.receipts.values())
+        self.receipts.clear()
+        return out
+
+    def recover(self, collected: Iterable[Any]) -> list[dict[str, Any]]:
+        """Store the results `collect()` returned (`.participant`, `.receipt`,
+        `.result`) for rollouts still awaiting one; returns every collected
+        receipt, to acknowledge (one already stored here is acknowledged too)."""
+        receipts: list[dict[str, Any]] = []
+        for item in collected:
+            receipt = msgspec.to_builtins(item.receipt)
+            receipts.append(receipt)
+            rollout = receipt["rollout_id"]
+            if rollout in self.tasks and rollout not in self.results:
+                self.results[rollout] = item.result
+                self.finished_at[rollout] = time.monotonic()
+                self.recovered.append(rollout)
+                self.on_event("finished", rollout)
+        return receipts
 
     def start(
         self,
@@ -104,7 +144,14 @@ class Rollouts:
                 self.failures[rollout] = str(exc)
                 self.on_event("failed", rollout)
                 return
+            if "result" in reply and self.lose_next > 0:
+                self.lose_next -= 1
+                self.lost_replies.append(rollout)
+                self.on_event("lost", rollout)
+                return
             if "result" in reply:
+                if "receipt" in reply:
+                    self.receipts[rollout] = reply["receipt"]
                 self.results[rollout] = reply["result"]
                 self.finished_at[rollout] = time.monotonic()
                 self.on_event("finished", rollout)
@@ -177,6 +224,7 @@ class Continuation:
     restarted: list[str]
     restored_keys: dict[str, list[str]]
     restore_s: float
+    recovered: list[str] = field(default_factory=list)  # results collected by receipt
 
 
 async def restore_and_continue(
@@ -186,12 +234,23 @@ async def restore_and_continue(
     checkpoint_dir: str,
     scope: Iterable[EpisodeId],
     rollouts: Rollouts,
+    *,
+    collect: bool = False,
 ) -> Continuation:
     """Restore `scope` into `fleet` (fresh hosts), resume, and start attempt + 1 of
     every unfinished rollout: from its restored boundary when the environment
-    installed one, else from the task input."""
+    installed one, else from the task input.  `collect`: first take back the
+    finished results the checkpoint held (completion receipts) and
+    acknowledge them; those rollouts are done, not continued."""
     scope = list(scope)
     result = await handle.arestore(checkpoint_dir, scope)
+    recovered: list[str] = []
+    if collect:
+        before = len(rollouts.recovered)
+        receipts = rollouts.recover((await handle.acollect()).results)
+        if receipts:
+            await handle.aack(receipts)
+        recovered = rollouts.recovered[before:]
     env_keys = set()
     for participant, keys in result.restored.items():
         if participant.startswith("environment/"):
@@ -202,11 +261,15 @@ async def restore_and_continue(
         nxt = episode.next()
         (continued if nxt.capture_key in env_keys else restarted).append(episode.rollout_id)
         rollouts.start(session, fleet.urls["environment"], episode.rollout_id, attempt=nxt.attempt)
-    return Continuation(continued, restarted, result.restored, result.total_s)
+    return Continuation(continued, restarted, result.restored, result.total_s, recovered)
 
 
 async def crash(fleet: Fleet, rollouts: Rollouts) -> None:
     """Kill every Gym actor (no draining), then drop the driver's in-flight calls."""
+    rollouts.lose_next = 0  # replies are lost up to the crash, not after it
+    # Receipts of the dead fleet cannot be acknowledged any more: a result the
+    # checkpoint carried is offered again by `collect()` after the restore.
+    rollouts.receipts.clear()
     fleet.kill()
     await rollouts.abandon()
 

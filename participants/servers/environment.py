@@ -8,6 +8,11 @@ run refused before it began (`admission_closed` while a checkpoint is open,
 can retry or give up.  For `r-aN` the run continues the restored boundary.
 `GET /stats` reports calls, seeds, agent steps and verifications run, and
 live and restored episodes.
+
+With completion receipts on (`checkpoint.completion_receipts`), a result
+reply also carries `"receipt": {"rollout_id", "attempt", "digest"}` and the
+result stays held until the trainer acknowledges that receipt (`ack`); the
+stats then count `unacknowledged_results`.
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ from aiohttp import web
 from participants.common import ServerBase, guarded, json_object, want_int, want_str
 from participants.environment import drive, environment_participant, expect_task, first_boundary
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
+from ray_ckpt.control.wire import to_builtins
 from ray_ckpt.errors import CheckpointError, InvalidRequest
 from ray_ckpt.identity import EpisodeId, rollout_path
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.steps import EpisodeSteps
+from ray_ckpt.steps.receipts import ResultReceipts
 
 MAX_STEPS = 1000
 
@@ -69,13 +76,14 @@ class EnvironmentServer(ServerBase):
         resources_url: str,
         episode_timeout_s: float | None = None,
         clock: Clock = SYSTEM_CLOCK,
+        receipts: ResultReceipts | None = None,
     ) -> None:
         super().__init__(name)
         self.agent_url = agent_url.rstrip("/")
         self.resources_url = resources_url.rstrip("/")
         self.episode_timeout_s = episode_timeout_s
         self.steps = EpisodeSteps(clock=clock)
-        self.participant = environment_participant(self.steps)
+        self.participant = environment_participant(self.steps, receipts)
         self.counters: Counter[str] = Counter()
 
     def app(self) -> web.Application:
@@ -107,6 +115,12 @@ class EnvironmentServer(ServerBase):
         except CheckpointError as exc:
             self.counters["failures"] += 1
             reply["failure"] = exc.to_body()["error"]
+            return web.json_response(reply)
+        # After the episode's end park point, so never while a checkpoint is
+        # closed: the held results do not change under a capture.
+        receipt = self.participant.hold(episode, reply["result"])
+        if receipt is not None:
+            reply["receipt"] = to_builtins(receipt)
         return web.json_response(reply)
 
     # --- the downstream calls of an episode ---------------------------------------
@@ -142,6 +156,7 @@ class EnvironmentServer(ServerBase):
             **dict(self.counters),
             "live_episodes": self.steps.live_executions(),
             "restored_episodes": len(self.steps.restored_ids()),
+            "unacknowledged_results": len(self.participant.receipts or ()),
         }
 
 
@@ -153,9 +168,16 @@ def environment_server(
     resources_url: str,
     episode_timeout_s: float | None = None,
 ) -> EnvironmentServer:
+    receipts = None
+    if settings.enabled and settings.completion_receipts:
+        receipts = ResultReceipts(
+            max_results=settings.max_unacknowledged_results,
+            max_bytes=settings.max_unacknowledged_bytes,
+        )
     return EnvironmentServer(
         name,
         agent_url=agent_url,
         resources_url=resources_url,
         episode_timeout_s=episode_timeout_s,
+        receipts=receipts,
     )

@@ -20,7 +20,7 @@ import orjson
 from ray_ckpt import tracing
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
 from ray_ckpt.control.routes import CHECKPOINT_ROUTE_PREFIX
-from ray_ckpt.control.wire import OPERATIONS
+from ray_ckpt.control.wire import CONTROL_OPERATIONS
 from ray_ckpt.errors import (
     CheckpointError,
     CoordinationFailed,
@@ -140,7 +140,7 @@ class ControlClient:
 
     async def call(self, op: str, body: Mapping[str, Any] | msgspec.Struct) -> dict[str, Any]:
         """POST one control operation; the reply as plain builtins."""
-        if op not in OPERATIONS:
+        if op not in CONTROL_OPERATIONS:
             raise InvalidRequest(f"unknown control operation {op!r}")
         deadline = (
             body.get("deadline_ts")

@@ -34,7 +34,7 @@ from ray_ckpt.errors import (
     InvalidPhase,
     RestartInScope,
 )
-from ray_ckpt.identity import EpisodeId
+from ray_ckpt.identity import EpisodeId, is_result_key
 from ray_ckpt.storage.record import Record, check_json
 from ray_ckpt.storage.records_format import StateEncoder
 from ray_ckpt.storage.seam import StopHandle
@@ -117,7 +117,9 @@ class Commits:
         records = await within(c.clock, req, "export", c.participant.export(scope))
         if scope is not None:
             wanted = {e.capture_key for e in scope}
-            records = [r for r in records if r.key in wanted]
+            # Held results (completion receipts) are never work in a scope:
+            # they go into every checkpoint while unacknowledged.
+            records = [r for r in records if r.key in wanted or is_result_key(r.key)]
         for record in records:
             check_json(record.state, episode=record.key)
         if capture:
@@ -171,7 +173,7 @@ class Commits:
         return {
             "phase": Phase.COMMITTED.value,
             "manifest": to_builtins(write.manifest),
-            "episode_ids": sorted(r.key for r in write.records),
+            **exported_keys(write.records),
             "spans": write.span_dicts(),
         }
 
@@ -207,3 +209,11 @@ def captured(records: list[Record]) -> list[Record]:
 
 def captured_bytes(records: list[Record]) -> int:
     return sum(len(r.state) for r in records if isinstance(r.state, msgspec.Raw))
+
+
+def exported_keys(records: list[Record]) -> dict[str, Any]:
+    """A commit reply's `episode_ids` (capture keys) and, apart, how many
+    finished results it carries (completion receipts; only when some)."""
+    episodes = sorted(r.key for r in records if not is_result_key(r.key))
+    results = len(records) - len(episodes)
+    return {"episode_ids": episodes, **({"results": results} if results else {})}

@@ -24,7 +24,7 @@ from collections import Counter
 from typing import Any
 
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
-from ray_ckpt.control import shielded
+from ray_ckpt.control import receipt_ops, shielded
 from ray_ckpt.control.background import BackgroundWrites
 from ray_ckpt.control.commit import Commits, Write
 from ray_ckpt.control.observer import ControlObserver
@@ -35,11 +35,15 @@ from ray_ckpt.control.retire_marks import RetiredAttempts
 from ray_ckpt.control.timing import LeaseWatcher, ReadinessWait, within
 from ray_ckpt.control.wire import (
     MAX_REPORTED_BLOCKERS,
+    RECEIPT_OPERATIONS,
+    AckRequest,
     CheckpointRequest,
+    CollectRequest,
     CommitRequest,
     ForgetRequest,
     RestoreRequest,
     RetireRequest,
+    decode_receipt_request,
     decode_request,
     report_reply,
 )
@@ -124,7 +128,8 @@ class ParticipantController:
             self.observer.call_done(op, self.clock.now() - start, outcome, self.writes_in_flight)
 
     async def _dispatch(self, op: str, body: bytes | dict[str, Any]) -> dict[str, Any]:
-        req = decode_request(op, body)
+        receipts = op in RECEIPT_OPERATIONS
+        req = decode_receipt_request(op, body) if receipts else decode_request(op, body)
         handler = getattr(self, op)
         reply: dict[str, Any] = await handler(req)
         return reply
@@ -149,6 +154,7 @@ class ParticipantController:
             "live_executions": self.participant.live_executions(),
             "writes_in_flight": self.writes_in_flight,
             "background_write": self._background.status(),
+            **receipt_ops.status_fields(self),
             "report": report_reply(self.participant.report(MAX_REPORTED_BLOCKERS)),
         }
 
@@ -279,6 +285,13 @@ class ParticipantController:
             if hook is not None:
                 hook(list(req.rollout_ids))
             return {"forgotten": forgotten}
+
+    # --- completion receipts (`receipt_ops`): no phase, no fence -------------------
+    async def ack(self, req: AckRequest) -> dict[str, Any]:
+        return await receipt_ops.ack(self, req)
+
+    async def collect(self, req: CollectRequest) -> dict[str, Any]:
+        return await receipt_ops.collect(self, req)
 
     # --- lease ---------------------------------------------------------------
     async def check_lease(self) -> bool:

@@ -40,7 +40,7 @@ from ray_ckpt.errors import (
     InvalidPhase,
     InvalidRequest,
 )
-from ray_ckpt.identity import EpisodeId
+from ray_ckpt.identity import EpisodeId, is_result_key
 from ray_ckpt.storage.record import Record
 
 if TYPE_CHECKING:
@@ -113,7 +113,9 @@ class Restores:
                 req.checkpoint_dir,
                 kind=c.kind,
                 instance=c.instance,
-                select=wanted.__contains__,
+                # Held results (completion receipts) come back whatever the
+                # episodes asked: they were finished, not in any scope.
+                select=lambda key: key in wanted or is_result_key(key),
             ),
         )
 
@@ -133,7 +135,7 @@ class Restores:
     async def _install_and_mark(self, records: Sequence[Record]) -> list[EpisodeId]:
         c = self._controller
         try:
-            replaced = [record.episode_id for record in records]
+            replaced = [r.episode_id for r in records if not is_result_key(r.key)]
         except InvalidRequest as exc:
             raise InvalidCheckpointState(f"record key: {exc.detail}") from None
         installed = await c.participant.install(records)

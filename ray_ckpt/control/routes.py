@@ -22,7 +22,7 @@ import orjson
 from aiohttp import web
 
 from ray_ckpt import tracing
-from ray_ckpt.control.wire import OPERATIONS
+from ray_ckpt.control.wire import CONTROL_OPERATIONS
 from ray_ckpt.errors import CheckpointError, InvalidRequest, Reason
 from ray_ckpt.identity import ROLLOUT_PATH_PREFIX, parse_rollout_path
 from ray_ckpt.settings import CheckpointSettings
@@ -38,7 +38,7 @@ _DATA_PREFIX = f"/{ROLLOUT_PATH_PREFIX}/"
 # Every control path and the one method it takes (status: GET, the rest: POST).
 CONTROL_ROUTES: dict[str, tuple[str, str | None]] = {
     f"{CHECKPOINT_ROUTE_PREFIX}/status": ("GET", None),
-    **{f"{CHECKPOINT_ROUTE_PREFIX}/{op}": ("POST", op) for op in OPERATIONS},
+    **{f"{CHECKPOINT_ROUTE_PREFIX}/{op}": ("POST", op) for op in CONTROL_OPERATIONS},
 }
 
 
@@ -267,7 +267,7 @@ def install_control_routes(
     app.middlewares.append(_envelope_middleware(gate))
     status, operation = _aiohttp_handlers(gate)
     app.router.add_get(f"{CHECKPOINT_ROUTE_PREFIX}/status", status, allow_head=False)
-    for op in OPERATIONS:
+    for op in CONTROL_OPERATIONS:
         app.router.add_post(f"{CHECKPOINT_ROUTE_PREFIX}/{op}", operation(op))
 
 

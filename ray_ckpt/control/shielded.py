@@ -18,7 +18,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from ray_ckpt.control.background import Pending
-from ray_ckpt.control.commit import Write, captured_bytes
+from ray_ckpt.control.commit import Write, captured_bytes, exported_keys
 from ray_ckpt.control.phase_machine import Event, Phase
 from ray_ckpt.control.restore import restore_reply
 from ray_ckpt.control.timing import within
@@ -101,7 +101,7 @@ async def _commit_async(
         reply = {
             "phase": Phase.COMMITTED.value,
             "pending": True,
-            "episode_ids": sorted(r.key for r in write.records),
+            **exported_keys(write.records),
             "captured_bytes": size,
             "spans": write.span_dicts(),
         }

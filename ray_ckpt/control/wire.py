@@ -14,7 +14,13 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from ray_ckpt.errors import DeadlineExceeded, InvalidRequest
-from ray_ckpt.identity import ID_PATTERN, MAX_ID_LENGTH, EpisodeId, RolloutIdStr
+from ray_ckpt.identity import (
+    ID_PATTERN,
+    MAX_ID_LENGTH,
+    EpisodeId,
+    RolloutIdStr,
+    validate_rollout_id,
+)
 
 CheckpointIdStr = Annotated[
     str, msgspec.Meta(min_length=1, max_length=MAX_ID_LENGTH, pattern=ID_PATTERN)
@@ -92,6 +98,78 @@ def decode_request(op: str, body: bytes | str | dict[str, Any]) -> CheckpointReq
         if isinstance(body, dict):
             return msgspec.convert(body, REQUEST_TYPES[op], strict=True)
         return _JSON_DECODERS[op].decode(body)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"{op}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"{op}: malformed JSON body: {exc}") from None
+
+
+# --- completion receipts (`ray_ckpt.steps.receipts`) ------------------------
+# Not checkpoint phases: they carry no checkpoint ID and are never fenced, so
+# they are their own operations beside `OPERATIONS` (a controller that never
+# acks never sends them).
+
+DigestStr = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}\Z")]
+MAX_RECEIPTS_PER_ACK = 100_000
+
+
+class Receipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Names one finished result: its episode attempt and the sha256 of its
+    JSON (keys sorted), so an acknowledgement is for exactly that result."""
+
+    rollout_id: RolloutIdStr
+    attempt: Annotated[int, msgspec.Meta(ge=0)] = 0
+    digest: DigestStr
+
+    def __post_init__(self) -> None:
+        validate_rollout_id(self.rollout_id)  # the reserved -a<N> suffix too
+
+    @property
+    def episode(self) -> EpisodeId:
+        return EpisodeId(self.rollout_id, self.attempt)
+
+    @property
+    def key(self) -> str:
+        """For messages: the capture key and the digest's head."""
+        return f"{self.episode.capture_key}@{self.digest[:12]}"
+
+
+class AckRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`ack`: the trainer's data store committed these results; free them.
+
+    `check`: only say which of them are known here (held or acknowledged),
+    change nothing -- the coordinator asks every environment participant
+    first, so a receipt no participant knows refuses the whole call."""
+
+    receipts: Annotated[list[Receipt], msgspec.Meta(min_length=1, max_length=MAX_RECEIPTS_PER_ACK)]
+    check: bool = False
+
+
+class CollectRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`collect`: every finished, unacknowledged result held here."""
+
+
+RECEIPT_REQUEST_TYPES: dict[str, type[AckRequest] | type[CollectRequest]] = {
+    "ack": AckRequest,
+    "collect": CollectRequest,
+}
+RECEIPT_OPERATIONS = tuple(RECEIPT_REQUEST_TYPES)
+# Every POST route under the control prefix.
+CONTROL_OPERATIONS = (*OPERATIONS, *RECEIPT_OPERATIONS)
+
+_RECEIPT_DECODERS = {op: msgspec.json.Decoder(t) for op, t in RECEIPT_REQUEST_TYPES.items()}
+
+
+def decode_receipt_request(
+    op: str, body: bytes | str | dict[str, Any]
+) -> AckRequest | CollectRequest:
+    """Decode and validate an `ack` or `collect` body; raises `InvalidRequest`."""
+    if op not in RECEIPT_REQUEST_TYPES:
+        raise InvalidRequest(f"unknown receipt operation {op!r}")
+    try:
+        if isinstance(body, dict):
+            return msgspec.convert(body, RECEIPT_REQUEST_TYPES[op], strict=True)
+        return _RECEIPT_DECODERS[op].decode(body)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"{op}: {exc}") from None
     except msgspec.DecodeError as exc:

@@ -38,7 +38,7 @@ from aiohttp import web
 from ray_ckpt.control.asgi import ASGIApp, ControlASGIMiddleware
 from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.control.routes import maybe_install_control_routes
-from ray_ckpt.control.wire import OPERATIONS
+from ray_ckpt.control.wire import CONTROL_OPERATIONS
 from ray_ckpt.errors import CheckpointError, NotFound, ParticipantUnavailable
 from ray_ckpt.hosting.metrics import HostMetrics
 from ray_ckpt.hosting.serving import (
@@ -136,7 +136,7 @@ class ParticipantHost(NamedControlOps):
     async def call(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
         """One control operation by name (the same as the named methods)."""
         await self._ready()
-        if op != "status" and op not in OPERATIONS:
+        if op != "status" and op not in CONTROL_OPERATIONS:
             raise NotFound(f"unknown control operation {op!r}")
         return await self._controller().handle(op, body)
 

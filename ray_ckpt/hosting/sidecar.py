@@ -39,7 +39,7 @@ from ray_ckpt.control.client import ControlClient
 from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.control.protocol import Participant
 from ray_ckpt.control.routes import maybe_install_control_routes
-from ray_ckpt.control.wire import OPERATIONS
+from ray_ckpt.control.wire import CONTROL_OPERATIONS
 from ray_ckpt.errors import CheckpointError, NotFound, ParticipantUnavailable
 from ray_ckpt.hosting.metrics import HostMetrics
 from ray_ckpt.hosting.spec import NamedControlOps, ServerSpec, current_node_id
@@ -184,7 +184,7 @@ class SidecarHost(NamedControlOps):
         self._check_running()
         if op == "status":
             return self._noted(await self.client.status())
-        if op not in OPERATIONS:
+        if op not in CONTROL_OPERATIONS:
             raise NotFound(f"unknown control operation {op!r}")
         start = self._clock.now()
         outcome = "failed"

@@ -78,6 +78,14 @@ class NamedControlOps:
     async def forget(self, body: dict[str, Any]) -> dict[str, Any]:
         return await self.call("forget", body)
 
+    async def ack(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Completion receipts: free acknowledged results (`{"receipts": [...]}`)."""
+        return await self.call("ack", body)
+
+    async def collect(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Completion receipts: every finished, unacknowledged result held."""
+        return await self.call("collect", body)
+
 
 class ServerSpec(msgspec.Struct, frozen=True, kw_only=True):
     kind: str

@@ -18,7 +18,7 @@ from collections.abc import Callable, Container, Iterable, Mapping
 import msgspec
 
 from ray_ckpt.errors import CheckpointError, InvalidCheckpointState
-from ray_ckpt.identity import EpisodeId
+from ray_ckpt.identity import check_record_key
 from ray_ckpt.storage.durable import WriteStop
 from ray_ckpt.storage.pipeline import CHUNK, HashingReader, HashingWriter
 from ray_ckpt.storage.record import Record
@@ -87,7 +87,7 @@ def encode_records(
     for rec in records:
         stop.check()
         try:
-            EpisodeId.from_capture_key(rec.key)
+            check_record_key(rec.key)
             keys.append(rec.key)
             if rec.key in skip:
                 continue
@@ -146,7 +146,7 @@ def parse_records(
         start = pos + FRAME.size
         try:
             key = bytes(view[start : start + key_len]).decode("utf-8")
-            EpisodeId.from_capture_key(key)
+            check_record_key(key)
         except (UnicodeDecodeError, CheckpointError):
             return keys, kept, f"bad capture key in record {len(keys)}"
         keys.append(key)

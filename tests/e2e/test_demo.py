@@ -34,7 +34,15 @@ async def test_demo_continues_every_rollout_and_equals_the_uninterrupted_run(
     assert summary["episodes_in_flight_at_checkpoint"] > 0
     assert summary["lost"] == [] and summary["different"] == []
     # Nothing finished before the crash is redone; everything else continued.
-    assert summary["episodes_finished_before_crash"] + summary["episodes_continued"] == 3
+    # A result whose reply the driver lost is recovered by its receipt.
+    assert summary["completion_receipts"] is True
+    assert summary["results_recovered_by_receipt"] == summary["replies_lost"]
+    assert (
+        summary["episodes_finished_before_crash"]
+        + summary["results_recovered_by_receipt"]
+        + summary["episodes_continued"]
+        == 3
+    )
     assert summary["episodes_restarted"] == 0
     assert summary["bytes"] > 0 and summary["checkpoint_s"] > 0 and summary["restore_s"] > 0
     assert set(report.per_participant) == {

@@ -70,3 +70,17 @@ def test_results_that_differ_fail(capsys: pytest.CaptureFixture[str]) -> None:
     code, summary = verdict(report(scope=["r1"], continued=["r1"], equal=False), capsys)
     assert code == 1
     assert summary["ok"] is False
+
+
+def test_results_recovered_by_receipt_are_counted_and_a_missing_one_fails(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    r = report(scope=["r1", "r2"], continued=["r1", "r2"])
+    r.completion_receipts, r.replies_lost = True, 1
+    r.add_restore(Continuation(["r1", "r2"], [], {}, 0.3, recovered=["r0"]))
+    code, summary = verdict(r, capsys)
+    assert (code, summary["replies_lost"], summary["results_recovered_by_receipt"]) == (0, 1, 1)
+    r.replies_lost = 2  # one lost reply's result never came back
+    code, summary = verdict(r, capsys)
+    assert code == 1
+    assert "a lost reply's result was not recovered by receipt" in summary["problems"]  # type: ignore[operator]
