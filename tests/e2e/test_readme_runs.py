@@ -3,7 +3,8 @@ cluster and a real reference fleet, so the docs cannot drift from the code.
 
 What a snippet leaves to the reader is supplied, and nothing else changes:
 the reader's own objects (a trainer and a collector actor, the collector's
-in-flight episodes, `publish_trainer_checkpoint`, `step`, `config`), the
+in-flight episodes, `publish_trainer_checkpoint`, `step`, `config`, a
+`post_run` of the environment's `/run` and a `store`), the
 places (`/ckpt/...` and `s3://bucket/run-7` become directories under the
 test's tmp dir, `rl-run-7` the test's namespace), and the crash a comment
 announces ("After a crash, in fresh Gym processes", `...` between a periodic
@@ -20,12 +21,15 @@ import pathlib
 import re
 import textwrap
 import time
+from types import SimpleNamespace
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import pytest
 
 from participants.fleet import FleetConfig
+from participants.rollout import make_tasks
 from ray_ckpt.identity import EpisodeId
 from tests.e2e.conftest import E2E
 
@@ -83,11 +87,24 @@ def run(code: str, scope: dict[str, Any], crash: Callable[[], None]) -> None:
 def test_every_readme_snippet_runs(e2e: E2E, tmp_path: pathlib.Path) -> None:
     import ray
 
-    config: FleetConfig = e2e.config()
+    config: FleetConfig = e2e.config(completion_receipts=True)
     asyncio.run(e2e.launch(config))
     actor = ray.remote(Collector).options(namespace=e2e.namespace, num_cpus=0)
     trainer, collector = actor.remote(), actor.remote()
     published: list[int] = []
+    stored: list[Any] = []
+
+    def post_run(episode: EpisodeId) -> dict[str, Any]:
+        """The reader's own call of the environment's `/run`."""
+        task = make_tasks(1, 1, seed=7)[0]
+        body = {"episode_id": {"rollout_id": episode.rollout_id, "attempt": episode.attempt}}
+        reply = httpx.post(
+            f"{e2e.fleets[-1].urls['environment']}/run", json={**body, "task": task}, timeout=60
+        )
+        reply.raise_for_status()
+        result: dict[str, Any] = reply.json()
+        return result
+
     scope: dict[str, Any] = {
         "trainer_actor": trainer,
         "collector_actor": collector,
@@ -97,6 +114,9 @@ def test_every_readme_snippet_runs(e2e: E2E, tmp_path: pathlib.Path) -> None:
         "step": 100,
         "episode_ids": list(IN_FLIGHT),
         "config": config,
+        "post_run": post_run,
+        "episode": EpisodeId("readme-r9"),
+        "store": SimpleNamespace(commit=stored.append),
     }
 
     def crash() -> None:
@@ -135,6 +155,7 @@ def test_every_readme_snippet_runs(e2e: E2E, tmp_path: pathlib.Path) -> None:
     # and resumed, the reader's checkpoints were published, the async one is
     # durable, and the periodic loop's latest checkpoint was restored.
     assert published == [100, 101]
+    assert len(stored) == 1, "the receipts snippet stored its one result once"
     assert ray.get(trainer.log.remote())[:2] == ["pause", "resume"]
     assert (tmp_path / "ckpt" / "step-100" / "gym" / "_manifest.json").exists()
     assert (tmp_path / "ckpt" / "step-101" / "gym" / "_manifest.json").exists()
