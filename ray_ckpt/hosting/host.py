@@ -37,6 +37,7 @@ from aiohttp import web
 
 from ray_ckpt.control.asgi import ASGIApp, ControlASGIMiddleware
 from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.receipt_ops import held_results
 from ray_ckpt.control.routes import maybe_install_control_routes
 from ray_ckpt.control.wire import CONTROL_OPERATIONS
 from ray_ckpt.errors import CheckpointError, NotFound, ParticipantUnavailable
@@ -59,6 +60,9 @@ from ray_ckpt.hosting.spec import (
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONCURRENCY = 1000
+# How often a host samples its held results for the metrics (Ray reports
+# every 10 s by default).
+HELD_REPORT_S = 1.0
 
 
 class ParticipantHost(NamedControlOps):
@@ -78,12 +82,16 @@ class ParticipantHost(NamedControlOps):
                 self.server.participant, instance=spec.name, settings=self.settings
             )
             # Inside the Ray actor: its calls, writes and lease expiries as Ray metrics.
-            self.controller.observer = HostMetrics(spec.kind)
+            self.metrics: HostMetrics | None = HostMetrics(spec.kind)
+            self.controller.observer = self.metrics
             self.server.attach(self.controller)
             if isinstance(app, web.Application):
                 maybe_install_control_routes(app, self.controller, self.settings)
             else:
                 app = ControlASGIMiddleware.from_settings(app, self.controller, self.settings)
+        else:
+            self.metrics = None
+        self._reporting: asyncio.Task[None] | None = None
         self._app = app
         self._sock = bind_socket(spec.host, spec.port)
         self.host, self.port = socket_address(self._sock)
@@ -96,7 +104,12 @@ class ParticipantHost(NamedControlOps):
         self._serving = await serve_app(self._app, self._sock, drain_s=self._drain_s)
         if self.controller is not None:
             self.controller.start()
+            if held_results(self.controller) is not None and self.metrics is not None:
+                self._reporting = asyncio.get_running_loop().create_task(
+                    _report_held(self.controller, self.metrics)
+                )
         log.info("%s serving on %s", self.spec.actor_name, self.url)
+
 
     async def _ready(self) -> None:
         if self._stopped:
@@ -145,6 +158,8 @@ class ParticipantHost(NamedControlOps):
         if self._stopped:
             return {"stopped": True, "idempotent": True}
         self._stopped = True
+        if self._reporting is not None:
+            self._reporting.cancel()
         try:
             await self._started
         except Exception:
@@ -156,6 +171,16 @@ class ParticipantHost(NamedControlOps):
             await self.controller.aclose()
         await self.server.aclose()
         return {"stopped": True, "idempotent": False}
+
+
+async def _report_held(controller: ParticipantController, metrics: HostMetrics) -> None:
+    """The held results as gauges: they change on the data plane (a `/run`
+    finishing, an ack), not only on control calls, so they are sampled."""
+    while True:
+        held = held_results(controller)
+        if held is not None:
+            metrics.held(len(held), held.bytes)
+        await asyncio.sleep(HELD_REPORT_S)
 
 
 # --- placement ------------------------------------------------------------------

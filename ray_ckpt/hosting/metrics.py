@@ -1,8 +1,9 @@
 """A host's metrics, exported through Ray's Prometheus endpoint.
 
 Per Gym server host: how long each control call took (`op`, `outcome`), the
-commit writes in flight and the lease expiries (a coordinator that went
-silent).  Labels are the participant kind, the operation and the outcome
+commit writes in flight, the lease expiries (a coordinator that went
+silent) and, with completion receipts, the finished results (and bytes) held
+for the trainer's acknowledgement.  Labels are the participant kind, the operation and the outcome
 only — never a rollout, checkpoint or instance name — so the number of
 series stays fixed however long the run.
 """
@@ -38,6 +39,16 @@ class HostMetrics:
             "Commit writes under way on a participant",
             tag_keys=("kind",),
         )
+        self._held: Any = metrics.Gauge(
+            PREFIX + "unacknowledged_results",
+            "Finished results held for the trainer's acknowledgement (completion receipts)",
+            tag_keys=("kind",),
+        )
+        self._held_bytes: Any = metrics.Gauge(
+            PREFIX + "unacknowledged_bytes",
+            "Bytes of the finished results held for acknowledgement",
+            tag_keys=("kind",),
+        )
         self._expiries: Any = metrics.Counter(
             PREFIX + "lease_expiries_total",
             "Leases that ran out (the participant resumed by itself)",
@@ -50,3 +61,7 @@ class HostMetrics:
 
     def lease_expired(self) -> None:
         self._expiries.inc(1, tags=self._tags)
+
+    def held(self, results: int, size: int) -> None:
+        self._held.set(results, tags=self._tags)
+        self._held_bytes.set(size, tags=self._tags)

@@ -135,3 +135,37 @@ async def test_a_checkpoint_and_a_restore_show_up_on_rays_prometheus_endpoint(
     for _, labels, _ in found:
         assert result.checkpoint_id not in labels.values()
         assert not any("ref-" in v for v in labels.values())
+
+
+async def test_results_held_for_acknowledgement_are_a_gauge(
+    namespace: str, ray_metrics_url: str
+) -> None:
+    """With completion receipts, the environment host samples what it holds:
+    one finished result until it is acknowledged, then none."""
+    from participants.rollout import make_tasks
+
+    config = FleetConfig(namespace=namespace, token="metrics-test-token", completion_receipts=True)
+    fleet = await launch_fleet(config)
+    try:
+        gym = connect(namespace=namespace)
+        task = make_tasks(1, 1, seed=3)[0]
+        body = {"episode_id": {"rollout_id": "held-1", "attempt": 0}, "task": task}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{fleet.urls['environment']}/run", json=body) as resp:
+                assert resp.status == 200
+                reply = await resp.json()
+        env = {worker_id(fleet.hosts["environment"])}
+        held = await scrape_until(
+            ray_metrics_url, env, [("ray_ckpt_unacknowledged_results", {"kind": "environment"})]
+        )
+        assert total(held, "ray_ckpt_unacknowledged_results") == 1
+        assert (total(held, "ray_ckpt_unacknowledged_bytes") or 0) > 0
+        await gym.aack([reply["receipt"]])
+        deadline = time.monotonic() + 60
+        while total(held, "ray_ckpt_unacknowledged_results") != 0:
+            assert time.monotonic() < deadline, "the gauge never went back to 0"
+            await asyncio.sleep(1)
+            held = await scrape_until(ray_metrics_url, env, [])
+        assert total(held, "ray_ckpt_unacknowledged_bytes") == 0
+    finally:
+        await fleet.stop()
