@@ -1,4 +1,5 @@
-"""`ray-ckpt`: status, checkpoint, resume, restore, retire, forget, inspect, list, gc, demo.
+"""`ray-ckpt`: status, checkpoint, resume, restore, retire, forget, collect, ack,
+inspect, list, gc, timeline, demo.
 
 Every command that talks to the cluster attaches with `--address` (default
 "auto") and `--namespace`, and gets or creates the namespace's coordinator
@@ -24,6 +25,7 @@ from coordination.cli_output import (
     lease_left,
     periodic_line,
 )
+from coordination.cli_receipts import ack, collect
 from coordination.cli_storage import gc_command, list_command
 from coordination.results import ParticipantStatus
 from ray_ckpt.errors import CheckpointError, InvalidRequest
@@ -53,6 +55,8 @@ main.add_command(gc_command)
 main.add_command(resume)
 main.add_command(forget)
 main.add_command(timeline)
+main.add_command(collect)
+main.add_command(ack)
 
 
 @main.command()
@@ -76,7 +80,7 @@ def status(address: str, namespace: str, as_json: bool) -> None:
     )
     table = Table(title=title)
     table.add_column("participant", no_wrap=True)
-    for col in ("kind", "phase", "checkpoint", "lease left", "live", "writes", "blockers"):
+    for col in ("kind", "phase", "checkpoint", "lease left", "live", "writes", "held", "blockers"):
         table.add_column(col)
     now = st.now if st.now is not None else time.time()
     for p in st.participants:
@@ -89,6 +93,7 @@ def status(address: str, namespace: str, as_json: bool) -> None:
             lease_left(p.lease_expires_at, now),
             "-" if p.live_executions is None else str(p.live_executions),
             "-" if p.writes_in_flight is None else str(p.writes_in_flight),
+            "-" if p.unacknowledged_results is None else str(p.unacknowledged_results),
             blockers or "-",
         )
     Console().print(table)

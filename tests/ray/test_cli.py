@@ -28,8 +28,8 @@ SPEC = ServerSpec(
 )
 
 
-def run(*args: str) -> tuple[int, str]:
-    result = CliRunner().invoke(main, list(args), catch_exceptions=False)
+def run(*args: str, input_: str | None = None) -> tuple[int, str]:
+    result = CliRunner().invoke(main, list(args), input=input_, catch_exceptions=False)
     return result.exit_code, result.output
 
 
@@ -202,3 +202,52 @@ async def test_keep_open_then_resume_in_another_command_and_forget(
         with contextlib.suppress(ValueError):  # detached: it would outlive the session
             ray.kill(ray.get_actor(COORDINATOR_NAME, namespace=namespace), no_restart=True)
         await stop_host(host, timeout_s=5)
+
+
+async def test_collect_and_ack_hand_results_over_from_a_shell(
+    namespace: str, tmp_path: Path
+) -> None:
+    """`collect --json` lists the held result, `ack` of that output frees it,
+    a re-sent ack is idempotent and an unknown receipt changes nothing."""
+    from participants.fleet import FleetConfig, launch_fleet
+    from participants.rollout import make_tasks
+
+    ns = ["--namespace", namespace]
+    fleet = await launch_fleet(
+        FleetConfig(namespace=namespace, token="cli-token", completion_receipts=True)
+    )
+    try:
+        task = make_tasks(1, 1, seed=5)[0]
+        body = {"episode_id": {"rollout_id": "cli-r1", "attempt": 0}, "task": task}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{fleet.urls['environment']}/run", json=body) as resp:
+                reply = await resp.json()
+        code, out = run("collect", *ns, "--json")
+        assert code == 0, out
+        held = json.loads(out)
+        assert [r["receipt"] for r in held["results"]] == [reply["receipt"]]
+        assert held["results"][0]["result"] == reply["result"]
+        code, out = run("collect", *ns)
+        assert code == 0 and "cli-r1" in out, out
+        code, out = run("status", *ns, "--json")
+        by_kind = {r["kind"]: r for r in json.loads(out)["participants"]}
+        assert by_kind["environment"]["unacknowledged_results"] == 1
+
+        stray = {**reply["receipt"], "digest": "0" * 64}
+        code, out = run("ack", "-", *ns, "--json", input_=json.dumps([stray]))
+        assert code == 1 and json.loads(out)["error"]["code"] == "unknown_receipt", out
+        code, out = run("collect", *ns, "--json")
+        assert len(json.loads(out)["results"]) == 1, "the refused ack freed nothing"
+
+        saved = tmp_path / "held.json"
+        saved.write_text(json.dumps(held))
+        code, out = run("ack", str(saved), *ns)
+        assert code == 0 and "acknowledged 1 results (0 already)" in out, out
+        code, out = run("ack", str(saved), *ns)
+        assert code == 0 and "acknowledged 0 results (1 already)" in out, out
+        code, out = run("collect", *ns, "--json")
+        assert json.loads(out)["results"] == []
+        code, out = run("ack", "-", *ns, input_="not json")
+        assert code == 1 and "not JSON" in out, out
+    finally:
+        await fleet.stop()
