@@ -36,7 +36,12 @@ import msgspec
 
 from participants.common import digest
 from ray_ckpt.control.wire import Blocker, PrepareReport, Receipt
-from ray_ckpt.errors import FinishedInScope, InvalidCheckpointState, InvalidRequest
+from ray_ckpt.errors import (
+    FinishedInScope,
+    InvalidCheckpointState,
+    InvalidRequest,
+    ResultHeld,
+)
 from ray_ckpt.identity import EpisodeId, is_result_key
 from ray_ckpt.steps import Episode, EpisodeSteps, restart_from_headers, verify_mode_from_headers
 from ray_ckpt.steps.participant import EpisodeParticipant
@@ -66,6 +71,17 @@ class EnvironmentParticipant(EpisodeParticipant):
         receipt = self.receipts.hold(episode, result)
         self._notify()  # may pass a bound: readiness changed
         return receipt
+
+    def refuse_finished(self, episode: EpisodeId) -> None:
+        """Refuse (`ResultHeld`) a run of a rollout whose result is held: it
+        finished already, and its result waits for `collect`, not a rerun."""
+        held = None if self.receipts is None else self.receipts.held_of(episode.rollout_id)
+        if held is not None:
+            raise ResultHeld(
+                f"rollout {episode.rollout_id} finished (attempt {held.attempt}) and its "
+                "result is held for acknowledgement: collect and ack it, or retire the "
+                "rollout, instead of running it again"
+            )
 
     def ready(self) -> bool:
         return self.steps.ready() and (self.receipts is None or self.receipts.blocker() is None)

@@ -36,6 +36,7 @@ class Reason(StrEnum):
     UNKNOWN_RECEIPT = "unknown_receipt"
     FINISHED_IN_SCOPE = "finished_in_scope"
     RECEIPTS_OFF = "receipts_off"
+    RESULT_HELD = "result_held"
 
     @property
     def http_status(self) -> int:
@@ -66,6 +67,7 @@ _HTTP_STATUS: dict[Reason, int] = {
     Reason.UNKNOWN_RECEIPT: 404,
     Reason.FINISHED_IN_SCOPE: 409,
     Reason.RECEIPTS_OFF: 409,
+    Reason.RESULT_HELD: 409,
 }
 
 # Retrying the same call can succeed: the deadline was too short, admission
@@ -186,6 +188,13 @@ class FinishedInScope(CheckpointError):
     it would be both a result to deliver and work to resume."""
 
     reason = Reason.FINISHED_IN_SCOPE
+
+
+class ResultHeld(CheckpointError):
+    """A run of a rollout whose finished result is held for acknowledgement:
+    it would run twice; `collect` and `ack` it (or `retire` the rollout)."""
+
+    reason = Reason.RESULT_HELD
 
 
 class ReceiptsOff(CheckpointError):

@@ -96,6 +96,7 @@ class EnvironmentServer(ServerBase):
         self.calls["run"] += 1
         episode, task = parse_task(await json_object(request))
         self.check_attempt(episode)
+        self.participant.refuse_finished(episode)
         deadline_s = deadline_of(task)
         ep = self.steps.begin(
             episode,

@@ -113,6 +113,13 @@ class ResultReceipts:
             return f"unacknowledged-results:{len(self._held)}"
         return None
 
+    def held_of(self, rollout_id: str) -> Receipt | None:
+        """The receipt of `rollout_id`'s held result, any attempt (None: none held)."""
+        for episode, held in self._held.items():
+            if episode.rollout_id == rollout_id:
+                return held.receipt
+        return None
+
     # --- acknowledging ----------------------------------------------------------------
     def _is_held(self, receipt: Receipt) -> bool:
         held = self._held.get(receipt.episode)
