@@ -250,6 +250,7 @@ _BY_REASON: dict[Reason, type[CheckpointError]] = {
         UnknownReceipt,
         FinishedInScope,
         ReceiptsOff,
+        ResultHeld,
     )
 }
 
