@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from coordination.async_commit import PendingWrites, confirm_durable
+from coordination.baseline import GymBaseline
 from coordination.calls import coordination_failed, episode_body, new_id
 from coordination.fanout import failure
 from coordination.hosts import Host
@@ -72,6 +73,8 @@ class CoordinatorCore(PhaseDriver):
         # Off Ray a null sink; the actor passes Ray's (`coordination.metrics`).
         self.metrics = metrics or CoordinatorMetrics()
         self.last_checkpoint: LastCheckpoint | None = None
+        # The Gym of the last complete checkpoint or restore (`coordination.baseline`).
+        self.baseline = GymBaseline()
         # Asynchronous checkpoints resumed and not yet published.
         self.pending = PendingWrites()
 
@@ -169,6 +172,7 @@ class CoordinatorCore(PhaseDriver):
                     scope_source=scope_source,
                     total_s=total_s,
                     durability=durability,
+                    trigger=trigger,
                 )
         except Exception as exc:
             self.metrics.checkpoint_failed(exc, time.monotonic() - start, trigger)
@@ -201,6 +205,7 @@ class CoordinatorCore(PhaseDriver):
         scope_source: ScopeSource | None,
         total_s: float | None,
         durability: str = "sync",
+        trigger: str = "manual",
     ) -> CheckpointResult:
         publish_by = None
         if total_s is not None:
@@ -212,6 +217,7 @@ class CoordinatorCore(PhaseDriver):
             # `LATEST` never goes back in time (the participants' prepare
             # would wait for its writes anyway).
             await self.pending.settle()
+            self.baseline.check(self.hosts, trigger)  # before anyone is paused
             known = [self.layout[k] for k in sorted(self.hosts) if k in self.layout]
             if known:  # before the pause: see `precreate_participant_dirs`
                 await asyncio.to_thread(precreate_participant_dirs, checkpoint_dir, known)
@@ -232,6 +238,7 @@ class CoordinatorCore(PhaseDriver):
                 defer_latest=resume,
             )
             members = self._hosts(self._members())  # before the resume unfreezes them
+            self.baseline.record(self.frozen)
             if not resume:
                 resumed = None
             elif committed.pending:
@@ -357,6 +364,7 @@ class CoordinatorCore(PhaseDriver):
                         resume=resume,
                         deadline_s=deadline_s,
                     )
+                    self.baseline.record(self.hosts)  # the restored Gym is the one to keep
         except Exception as exc:
             self.metrics.restore_failed(exc, time.monotonic() - start)
             raise

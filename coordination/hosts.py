@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
@@ -174,6 +175,9 @@ class FakeHost:
     ) -> None:
         self.member = member
         self.target = target
+        # Which "process" this is: another FakeHost under the same key is a
+        # relaunch (`coordination.baseline.identity`).
+        self.identity = uuid.uuid4().hex
         self.log: Log = log if log is not None else []
         self._reply = reply
         self.hang: set[str] = set()

@@ -37,6 +37,7 @@ class Reason(StrEnum):
     FINISHED_IN_SCOPE = "finished_in_scope"
     RECEIPTS_OFF = "receipts_off"
     RESULT_HELD = "result_held"
+    MEMBERSHIP_CHANGED = "membership_changed"
 
     @property
     def http_status(self) -> int:
@@ -68,6 +69,7 @@ _HTTP_STATUS: dict[Reason, int] = {
     Reason.FINISHED_IN_SCOPE: 409,
     Reason.RECEIPTS_OFF: 409,
     Reason.RESULT_HELD: 409,
+    Reason.MEMBERSHIP_CHANGED: 409,
 }
 
 # Retrying the same call can succeed: the deadline was too short, admission
@@ -197,6 +199,13 @@ class ResultHeld(CheckpointError):
     reason = Reason.RESULT_HELD
 
 
+class MembershipChanged(CheckpointError):
+    """An unattended (periodic, signal) checkpoint of a Gym that lost or
+    replaced a member since its last complete checkpoint or restore."""
+
+    reason = Reason.MEMBERSHIP_CHANGED
+
+
 class ReceiptsOff(CheckpointError):
     """An acknowledgement reached a participant that holds no results
     (completion receipts off, or a kind that finishes no episodes)."""
@@ -251,6 +260,7 @@ _BY_REASON: dict[Reason, type[CheckpointError]] = {
         FinishedInScope,
         ReceiptsOff,
         ResultHeld,
+        MembershipChanged,
     )
 }
 
