@@ -1,4 +1,7 @@
-"""Coordination: participant order, the Coordinator actor, the handle, the CLI."""
+"""Coordination, the trainer's side: the handle (`connect`, `aconnect`), the
+Coordinator actor and its Ray-free core, participant order, checkpoints on a
+timer, a signal or a node drain, metrics and timelines, the `ray-ckpt` CLI and
+the main job (`coordination.demo`)."""
 
 from coordination.handle import CoordinatorHandle, aconnect, connect
 

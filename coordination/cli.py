@@ -1,5 +1,5 @@
 """`ray-ckpt`: status, checkpoint, resume, restore, retire, forget, collect, ack,
-inspect, list, gc, timeline, demo.
+inspect, list, gc, timeline, demo (and `--version`).
 
 Every command that talks to the cluster attaches with `--address` (default
 "auto") and `--namespace`, and gets or creates the namespace's coordinator
@@ -62,7 +62,8 @@ main.add_command(ack)
 @main.command()
 @cluster_options
 def status(address: str, namespace: str, as_json: bool) -> None:
-    """Participants, their phase, checkpoint, lease and live episodes."""
+    """Participants (kind, phase, checkpoint, lease, live episodes, writes in flight,
+    blockers) and the coordinator's last checkpoint."""
     from rich.console import Console
     from rich.table import Table
 
@@ -115,7 +116,11 @@ def _blocker_cell(p: ParticipantStatus) -> list[str]:
 @main.command()
 @click.argument("directory")
 @click.option("--scope", "scope", multiple=True, help="Capture key to continue (repeatable).")
-@click.option("--keep-open", is_flag=True, help="Do not resume (publish, then resume).")
+@click.option(
+    "--keep-open",
+    is_flag=True,
+    help="Leave it open (no resume): publish your own checkpoint, then run `resume`.",
+)
 @click.option(
     "--strict",
     is_flag=True,
@@ -309,7 +314,7 @@ def inspect(directory: str, as_json: bool) -> None:
 )
 @click.pass_context
 def demo(ctx: click.Context) -> None:
-    """Run the end-to-end demo (--address, --namespace, --rollouts, --steps, --json)."""
+    """Run the end-to-end demo (`ray-ckpt demo --help` lists its options)."""
     from coordination.demo.run import demo_command_main
 
     sys.exit(demo_command_main(list(ctx.args)))

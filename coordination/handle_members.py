@@ -60,6 +60,8 @@ class MemberCalls:
         await self._async("register_pause", "trainer", handle, **options)
 
     def register_assembler(self, handle: Any, **options: Any) -> None:
+        """`options`: as `register_trainer`'s, plus scope_method (the method
+        returning the episodes in flight: the scope of a checkpoint naming none)."""
         self._sync("register_pause", "assembler", handle, **options)
 
     async def aregister_assembler(self, handle: Any, **options: Any) -> None:

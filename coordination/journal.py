@@ -1,10 +1,15 @@
 """The coordinator's durable note of the checkpoint it has open.
 
-Written before every fan-out, so a coordinator that Ray restarts — or a new
-one over the same journal — knows which checkpoint ID was in flight, in which
-phase, and who took part.  Recovery then aborts it (resume everywhere; for a
-restore, retire what was installed first).  Every participant call is
-idempotent, so re-driving a phase that already reached some is harmless.
+Written before every fan-out whose recovery it changes (a checkpoint's
+prepare and commit, a restore's steps) and cleared when the checkpoint
+closes, so a coordinator that Ray restarts — or a new one over the same
+journal — knows which checkpoint ID was in flight, in which phase, and who
+took part.  Recovery then aborts it (resume everywhere; for a restore, retire
+what was installed first).  Every participant call is idempotent, so
+re-driving a phase that already reached some is harmless.  A step after which
+recovery would do the same anyway (a checkpoint's "prepared", its resume)
+changes the entry in memory only (`PhaseDriver._record(durable=False)`), so
+the pause pays no write for nothing.
 
 Where it lives (`open_journal`):
 

@@ -54,7 +54,10 @@ DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "durable_seconds": (
         "histogram",
-        "Writing the Gym manifest and LATEST, the commit point",
+        # A resuming checkpoint writes LATEST beside the resume, outside this
+        # time; an asynchronous one reports its resume-to-durable time.
+        "Publishing: the Gym manifest (the commit point), and LATEST if kept open; "
+        "async: from the resume to the Gym manifest and LATEST",
         ("trigger",),
     ),
     "resume_seconds": ("histogram", "Resume of every participant", ("trigger",)),

@@ -6,8 +6,12 @@
   and an abort.  The check runs where the coordinator runs; a participant on
   another node that still cannot reach it fails its commit, which aborts.
 - After the Gym manifest (the commit point) the checkpoint's parent gets a
-  `LATEST` naming it (`write_gym_manifest_and_latest`, the coordinator's
-  default manifest writer).
+  `LATEST` naming it (`write_latest_quietly`, the core's default
+  `latest_writer`): right after the manifest, or, for a checkpoint that
+  resumes at once, beside the resume and before the call returns.
+  `write_gym_manifest_and_latest` does both in one call (tools, tests).
+- Before the pause, the participants' folders are created on a local root
+  (`precreate_participant_dirs`), so no commit creates them inside it.
 - `restore(root, latest=True)` resolves to the checkpoint `latest` picks, and
   a restore without episodes takes every episode the checkpoint lists.
 

@@ -237,9 +237,13 @@ def run(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--address", default=None, help="Ray address (default: start one)")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument(
+        "--steps", type=int, default=4, help="training steps; a checkpoint every 2 (default: 4)"
+    )
     args = parser.parse_args()
     namespace = f"nemo-rl-example-{uuid.uuid4().hex[:6]}"
     ray.init(address=args.address, namespace=namespace, log_to_driver=False)

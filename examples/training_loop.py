@@ -144,10 +144,18 @@ async def train(namespace: str, out_dir: str, rollouts: int, checkpoints: int) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--address", default=None)
-    parser.add_argument("--rollouts", type=int, default=8)
-    parser.add_argument("--checkpoints", type=int, default=2)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--address", default=None, help='Ray address, e.g. "auto" (default: start a local Ray)'
+    )
+    parser.add_argument(
+        "--rollouts", type=int, default=8, help="episodes the collector runs (default: 8)"
+    )
+    parser.add_argument(
+        "--checkpoints", type=int, default=2, help="checkpoints taken, 1 s apart (default: 2)"
+    )
     args = parser.parse_args()
     namespace = f"example-{uuid.uuid4().hex[:6]}"
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

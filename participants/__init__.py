@@ -5,6 +5,10 @@
   uses `ray_ckpt.steps.participant.EpisodeParticipant` over `EpisodeSteps`;
 - reference servers (GymServer factories) in `participants.servers.*`;
 - `launch_fleet` (Ray hosts) and `start_local_fleet` (in-process);
+  `participants.fleet_relaunch.FleetRelauncher` moves the fleet off draining
+  nodes;
+- `participants.nemo_gym`: real, unmodified NeMo Gym servers (`wrap`, session
+  codecs);
 - the controller-side driver: `run_episode`, `make_tasks`, `result_digest`.
 """
 

@@ -1,9 +1,10 @@
-"""ray-ckpt core: identity, phases, errors, settings, wire types, storage, steps.
+"""ray-ckpt core: identity, phases, errors, settings, the control plane, records, steps.
 
 The core knows nothing of participant kinds: `participants` implements the
 hooks per kind and `coordination` drives the ordered phases across them.
-Heavy pieces (Ray hosts, storage) are imported from their modules:
-`ray_ckpt.hosting.host`, `ray_ckpt.storage`, `ray_ckpt.hosting.sidecar`.
+Heavy pieces (Ray hosts, storage backends, wire bodies) are imported from
+their modules: `ray_ckpt.hosting.host`, `ray_ckpt.hosting.sidecar`,
+`ray_ckpt.storage`, `ray_ckpt.control.wire`.
 """
 
 from ray_ckpt.clock import Clock, ManualClock, SystemClock

@@ -5,11 +5,15 @@
 - `controller` — `ParticipantController`, which carries out what the machine
   decides (readiness waits, commit and restore through the storage seam);
 - `shielded` — commit's and restore's order of steps, whose work outlives
-  the call; `commit` and `restore` — that work;
+  the call; `commit` and `restore` — that work; `background` — an
+  asynchronous commit's write, after the resume;
+- `timing` — per-call deadlines, prepare's readiness wait, the lease watcher;
 - `protocol` — the `Participant` hooks one kind of server implements;
 - `wire` — msgspec request and reply bodies;
-- `routes` — the aiohttp control routes and the ASGI front;
+- `routes` — the shared gate and the aiohttp control routes; `asgi` — the
+  ASGI (e.g. FastAPI) front over the same gate;
 - `client` — the control client and its reserved connection pool;
 - `admission` — the gate closed from prepare to resume;
-- `retire_marks` — per-rollout refusal marks raised by retire.
+- `retire_marks` — per-rollout refusal marks raised by retire;
+- `observer` — what a controller reports to its host's metrics.
 """

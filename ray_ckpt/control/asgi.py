@@ -183,7 +183,7 @@ def _is_envelope(body: bytes) -> bool:
 def _malformed_data_key(path: str) -> tuple[int, bytes] | None:
     """The envelope for a `/ng-rollout/<key>/` path whose key is empty or malformed.
 
-    Checked here, once for every ASGI app, so a key such as ``zz-a1\n`` never
+    Checked here, once for every ASGI app, so a key such as ``zz-a1\\n`` never
     reaches a Gym route that might read it as episode ``zz`` attempt 1.
     """
     try:

@@ -8,6 +8,7 @@ effects it returns.  An illegal transition raises; nothing falls through.
 idle --prepare--> preparing --ready--> prepared --commit--> committed
 idle --restore--> restored
 preparing | prepared | committed | restored --resume / lease expiry--> idle
+preparing --close failed--> idle;  restored --install failed--> idle
 ```
 """
 
