@@ -252,7 +252,7 @@ class CoordinatorCore(PhaseDriver):
                 )
             if committed.pending:
                 self._confirm_later(
-                    prepared.checkpoint_id, checkpoint_dir, scope, members, commit_s
+                    prepared.checkpoint_id, checkpoint_dir, scope, members, commit_s, trigger
                 )
         timings: dict[str, dict[str, float]] = {}
         for op, table in (("prepare", prepared.timings), ("commit", committed.timings)):
@@ -285,6 +285,7 @@ class CoordinatorCore(PhaseDriver):
         scope: Sequence[EpisodeId] | None,
         members: list[Host],
         commit_s: float | None,
+        trigger: str = "manual",
     ) -> None:
         body = {
             "checkpoint_id": cid,
@@ -303,7 +304,7 @@ class CoordinatorCore(PhaseDriver):
                 self.timeline.finish(cid, outcome="failed")
                 log.warning("asynchronous checkpoint %s not published: %s", cid, exc)
                 raise
-            self.metrics.durable_done(done)
+            self.metrics.durable_done(done, trigger)
             log.info(
                 "durable %s: %d participants, %d bytes, %.3fs after the resume",
                 cid,

@@ -180,9 +180,9 @@ class CoordinatorMetrics:
         rec("episodes_continued_total", len(result.continued), {"phase": "checkpoint"})
         rec("episodes_restarted_total", len(result.restart), {"phase": "checkpoint"})
 
-    def durable_done(self, result: DurableResult) -> None:
+    def durable_done(self, result: DurableResult, trigger: str = "manual") -> None:
         """An asynchronous checkpoint published: its resume-to-durable time."""
-        t = {"trigger": "manual"}
+        t = {"trigger": trigger}
         self.sink.record("durable_seconds", result.durable_s, t)
         by_kind: dict[str, int] = {}
         for key, n in result.bytes.items():

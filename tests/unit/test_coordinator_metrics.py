@@ -90,3 +90,18 @@ async def test_restore_records_seconds_and_what_continues() -> None:
         assert failures == [{"phase": "restore", "code": "invalid_checkpoint_state"}] * 4
     finally:
         await fleet.aclose()
+
+
+async def test_an_asynchronous_checkpoint_reports_durable_seconds_under_its_trigger() -> None:
+    fleet = make_fleet()
+    sink = RecordingSink()
+    fleet.core.metrics = CoordinatorMetrics(sink)
+    try:
+        pending = await fleet.core.checkpoint(
+            "/ck-async", [EpisodeId("r1")], durability="async", trigger="periodic"
+        )
+        await fleet.core.durable(pending.checkpoint_id)
+        [(_, tags)] = sink.values("durable_seconds")
+        assert tags == {"trigger": "periodic"}
+    finally:
+        await fleet.aclose()
