@@ -16,7 +16,9 @@ Locations are absolute paths or URIs (`file://`, `s3://`, `gs://`); one that
 is relative, of an unknown scheme or unreachable is refused (`InvalidRequest`
 naming it) before anyone is paused.
 
-Every method has an async twin (`acheckpoint`, `arestore`, ...).  Errors are
+Every method but the signal installers (`checkpoint_on_signal`,
+`stop_checkpoint_on_signal`, which only install handlers) has an async twin
+(`acheckpoint`, `arestore`, ...).  Errors are
 the typed `ray_ckpt.errors` ones (e.g. `CoordinationFailed` with `failures`),
 not Ray wrappers: `type(err)` is the project's class and `str(err)` its
 message, never a remote traceback.

@@ -59,7 +59,7 @@ class Collector:
         self.events.append("resume")
         return {"resumed": True}
 
-    async def in_flight(self) -> list[EpisodeId]:
+    async def in_flight_episodes(self) -> list[EpisodeId]:
         return list(IN_FLIGHT)
 
     async def log(self) -> list[str]:

@@ -54,3 +54,16 @@ def test_a_snippet_matches_the_code(index: int) -> None:
                 assert kw.arg is None or takes_any or kw.arg in params, (
                     f"{target.id}.{node.func.attr}() takes no {kw.arg!r}"
                 )
+
+
+def test_the_settings_block_loads() -> None:
+    """The README's `checkpoint:` YAML is what `settings_from_dict` accepts
+    (an unknown or misspelt key would be refused)."""
+    import yaml
+
+    from ray_ckpt.settings import settings_from_dict
+
+    block = re.search(r"### Settings\n\n```yaml\n(.*?)```", README.read_text(), re.S)
+    assert block is not None
+    settings = settings_from_dict(yaml.safe_load(block.group(1)))
+    assert settings.enabled
