@@ -94,10 +94,16 @@ def decode_request(op: str, body: bytes | str | dict[str, Any]) -> CheckpointReq
     """Decode and validate a request body; raises `InvalidRequest`."""
     if op not in REQUEST_TYPES:
         raise InvalidRequest(f"unknown control operation {op!r}")
+    req: CheckpointRequest = _decode(op, body, REQUEST_TYPES[op], _JSON_DECODERS[op])
+    return req
+
+
+def _decode(op: str, body: bytes | str | dict[str, Any], typ: type, decoder: Any) -> Any:
+    """`body` (JSON bytes, or a dict from the Ray transport) as `typ`, strictly."""
     try:
         if isinstance(body, dict):
-            return msgspec.convert(body, REQUEST_TYPES[op], strict=True)
-        return _JSON_DECODERS[op].decode(body)
+            return msgspec.convert(body, typ, strict=True)
+        return decoder.decode(body)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"{op}: {exc}") from None
     except msgspec.DecodeError as exc:
@@ -166,14 +172,10 @@ def decode_receipt_request(
     """Decode and validate an `ack` or `collect` body; raises `InvalidRequest`."""
     if op not in RECEIPT_REQUEST_TYPES:
         raise InvalidRequest(f"unknown receipt operation {op!r}")
-    try:
-        if isinstance(body, dict):
-            return msgspec.convert(body, RECEIPT_REQUEST_TYPES[op], strict=True)
-        return _RECEIPT_DECODERS[op].decode(body)
-    except msgspec.ValidationError as exc:
-        raise InvalidRequest(f"{op}: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"{op}: malformed JSON body: {exc}") from None
+    req: AckRequest | CollectRequest = _decode(
+        op, body, RECEIPT_REQUEST_TYPES[op], _RECEIPT_DECODERS[op]
+    )
+    return req
 
 
 # --- replies -----------------------------------------------------------------
