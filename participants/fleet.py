@@ -54,6 +54,9 @@ class FleetConfig(msgspec.Struct, frozen=True, kw_only=True):
     resources_mode: str = "exported"  # exported | stateless | restart_only
     model_seed: int = 0
     suffix: str = ""
+    # Worker processes per server (`ray_ckpt.workers`); with more than one,
+    # every reference server spreads by rollout (each holds per-episode state).
+    workers: int = 1
 
     def server_name(self, kind: str) -> str:
         return f"ref-{kind.replace('_', '-')}" + (f"-{self.suffix}" if self.suffix else "")
@@ -167,6 +170,8 @@ async def launch_fleet(
                 factory=factory,
                 options=options,
                 settings=settings,
+                workers=config.workers,
+                spreading="rollout",
             )
             fleet.hosts[kind] = await _start(spec, config.namespace, placement.get(kind))
             info = await asyncio.wait_for(fleet.hosts[kind].ready.remote(), start_timeout_s)

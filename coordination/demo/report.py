@@ -46,6 +46,9 @@ class DemoReport:
     durability: str = "sync"
     resumed_s: float | None = None  # async: from the call to the Gym resumed
     durable_s: float | None = None  # async: from the call to the Gym manifest written
+    workers: int = 1  # worker processes per Gym server
+    # kind -> worker processes whose /stats answered at the checkpoint
+    workers_serving: dict[str, int] = field(default_factory=dict)
 
     def add_checkpoint(self, prepared: PrepareResult, committed: CommitResult) -> None:
         self.checkpoint_id = committed.checkpoint_id
@@ -155,6 +158,8 @@ class DemoReport:
             "durability": self.durability,
             "resumed_s": None if self.resumed_s is None else round(self.resumed_s, 4),
             "durable_s": None if self.durable_s is None else round(self.durable_s, 4),
+            "workers": self.workers,
+            "workers_serving": self.workers_serving,
         }
 
 

@@ -62,6 +62,7 @@ class DemoOptions:
     grace_s: float = 25.0
     timeline: str | None = None  # write the checkpoint's Chrome trace here
     durability: str = "sync"  # "async": resume once captured, then wait for durable
+    workers: int = 1  # worker processes per Gym server (ray_ckpt.workers)
 
 
 def fleet_config(opts: DemoOptions, *, suffix: str, namespace: str) -> FleetConfig:
@@ -75,6 +76,7 @@ def fleet_config(opts: DemoOptions, *, suffix: str, namespace: str) -> FleetConf
         turns_per_step=2,
         model_seed=opts.seed,
         suffix=suffix,
+        workers=opts.workers,
     )
 
 
@@ -104,6 +106,7 @@ async def run_demo(opts: DemoOptions, ui: Ui, ray_nodes: LocalRay | None = None)
     ns = opts.namespace
     local = ray_nodes or LocalRay(started=False)
     report = DemoReport(rollouts=opts.rollouts, steps=opts.steps, nodes=local.nodes)
+    report.workers = opts.workers
     ckpt_dir = opts.checkpoint_dir or tempfile.mkdtemp(prefix="ray-ckpt-demo-")
 
     # 1. The uninterrupted run the checkpointed one must equal.
@@ -159,6 +162,9 @@ async def run_demo(opts: DemoOptions, ui: Ui, ray_nodes: LocalRay | None = None)
                 report.add_checkpoint(prepared, committed)
                 committed_id = committed.checkpoint_id
             before = await fleet_stats(fleet)
+            report.workers_serving = {
+                k: int(v.get("workers_answering", 1)) for k, v in before.items()
+            }
             report.finished_before_crash = len(rollouts.results)
 
             # 3. A crash before resume: every Gym actor dies (with --kill-node
@@ -281,6 +287,13 @@ def _kill_coordinator(handle: Any) -> None:
     default=None,
     type=click.Path(dir_okay=False),
     help="Write the checkpoint as a Chrome trace / Perfetto JSON to this file.",
+)
+@click.option(
+    "--workers",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 8),
+    help="Worker processes per Gym server, under one host each (rollout-affine).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
 def demo_cli(as_json: bool, namespace: str | None, **kwargs: Any) -> None:

@@ -10,6 +10,8 @@ Installed as the first middleware of the worker's aiohttp app:
   forwarded twice); the reply streams back as it comes (a model's streamed
   generation stays streamed).  The owner being down is a 503
   `participant_unavailable`, never a silent serve on the wrong worker.
+- ``GET /stats`` answers for the whole server: every worker's stats merged
+  (`merge_stats`), with `workers_answering`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from ray_ckpt.control.routes import is_control_path
@@ -25,6 +28,8 @@ from ray_ckpt.errors import CheckpointError, ParticipantUnavailable
 from ray_ckpt.workers.routing import ROLLOUT, owner_index, rollout_of_body, rollout_of_path
 
 FORWARDED_HEADER = "x-ray-ckpt-worker-forwarded"
+# Answered for the whole server: every worker's stats, merged (`merge_stats`).
+STATS_PATHS = frozenset({"/stats"})
 # Not passed along: they describe one hop's connection, not the message.
 _HOP = frozenset(
     {
@@ -80,7 +85,11 @@ class WorkerFront:
             if self.control_url is None:
                 return await handler(request)
             return await self._forward(request, self.control_url)
-        if self.spreading != ROLLOUT or FORWARDED_HEADER in request.headers:
+        if FORWARDED_HEADER in request.headers:
+            return await handler(request)
+        if request.method == "GET" and request.path in STATS_PATHS and self.workers > 1:
+            return await self._all_stats(request, handler)
+        if self.spreading != ROLLOUT:
             return await handler(request)
         try:
             owner = await self.owner_of(request)
@@ -93,6 +102,27 @@ class WorkerFront:
             return _error(ParticipantUnavailable(f"worker w{owner} owning this rollout is down"))
         self.forwarded += 1
         return await self._forward(request, peer)
+
+    async def _all_stats(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """A server's stats are its workers' together (any worker may answer)."""
+        mine = await handler(request)
+        if not isinstance(mine, web.Response) or mine.status != 200 or mine.body is None:
+            return mine
+        parts: list[Any] = [orjson.loads(mine.body)]  # type: ignore[arg-type]
+        headers = {FORWARDED_HEADER: str(self.index)}
+        for index, base in sorted(self.peers.items()):
+            if index == self.index:
+                continue
+            try:
+                async with self.session().get(base + request.path_qs, headers=headers) as r:
+                    if r.status == 200:
+                        parts.append(orjson.loads(await r.read()))
+            except (aiohttp.ClientError, orjson.JSONDecodeError):
+                continue  # a worker down: the others' stats still answer
+        merged = merge_stats(parts)
+        merged_out = merged if isinstance(merged, dict) else {"stats": merged}
+        merged_out["workers_answering"] = len(parts)
+        return web.json_response(merged_out)
 
     async def owner_of(self, request: web.Request) -> int | None:
         rollout = rollout_of_path(request.path)
@@ -125,5 +155,19 @@ class WorkerFront:
             return _error(ParticipantUnavailable(f"forward to {base} failed: {exc!r}"))
 
 
-def front_summary(front: WorkerFront) -> dict[str, Any]:
-    return {"index": front.index, "forwarded": front.forwarded, "peers": sorted(front.peers)}
+def merge_stats(parts: list[Any]) -> Any:
+    """Every worker's `/stats` as one server's: numbers summed, objects merged
+    key by key, lists joined, anything else (a name, a kind) the first one's."""
+    if not parts:
+        return None
+    first = parts[0]
+    if all(isinstance(p, int | float) and not isinstance(p, bool) for p in parts):
+        return sum(parts)
+    if all(isinstance(p, dict) for p in parts):
+        keys: dict[str, None] = {}
+        for p in parts:
+            keys.update(dict.fromkeys(p))
+        return {k: merge_stats([p[k] for p in parts if k in p]) for k in keys}
+    if all(isinstance(p, list) for p in parts):
+        return [x for p in parts for x in p]
+    return first

@@ -99,3 +99,21 @@ async def test_calls_both_ways_typed_errors_and_a_dead_peer_fails_pending_calls(
     with pytest.raises(ChannelClosed):
         await side_a.call("x", {})
     await side_a.aclose()
+
+
+def test_stats_of_all_workers_merge_into_one_servers() -> None:
+    from ray_ckpt.workers.front import merge_stats
+
+    merged = merge_stats(
+        [
+            {"kind": "agent", "calls": {"run": 2}, "live": 1, "ids": ["a"], "ok": True},
+            {"kind": "agent", "calls": {"run": 3, "close": 1}, "live": 0, "ids": ["b"]},
+        ]
+    )
+    assert merged == {
+        "kind": "agent",
+        "calls": {"run": 5, "close": 1},
+        "live": 1,
+        "ids": ["a", "b"],
+        "ok": True,
+    }

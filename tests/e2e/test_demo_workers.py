@@ -1,0 +1,46 @@
+"""The main job with two worker processes per Gym server (`--workers 2`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from coordination.demo import DemoOptions, run_demo
+from coordination.demo.report import Ui
+
+pytestmark = [pytest.mark.ray]
+
+
+async def test_demo_with_two_workers_per_server_continues_every_rollout(
+    namespace: str, tmp_path: Path
+) -> None:
+    opts = DemoOptions(
+        address=None,
+        namespace=namespace,
+        rollouts=4,
+        steps=2,
+        seed=5,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        token_delay_s=0.04,
+        step_delay_s=0.1,
+        verify_delay_s=0.15,
+        stagger_s=0.2,
+        workers=2,
+    )
+    report = await run_demo(opts, Ui())
+    summary = report.summary()
+    assert summary["ok"] is True, summary["problems"]
+    assert summary["equal"] is True
+    assert summary["lost"] == []
+    assert summary["different"] == []
+    assert summary["episodes_in_flight_at_checkpoint"] > 0
+    assert summary["episodes_restarted"] == 0
+    assert summary["workers"] == 2
+    # Every server, the environment included, ran two live workers.
+    assert summary["workers_serving"] == {
+        "environment": 2,
+        "model": 2,
+        "agent": 2,
+        "resources": 2,
+    }
