@@ -57,11 +57,13 @@ class WorkerPlane:
         self.table = WorkerTable(spec.workers, clock, silence_s=silence_s)
         self._control_sock: socket.socket | None = None
         self._control: Serving | None = None
-        control_url = None
+        control_url: str | None = None
         if self.settings.enabled:
             self._control_sock = bind_socket("127.0.0.1", 0)
             host, port = socket_address(self._control_sock)
             control_url = f"http://{host}:{port}"
+        # The host's own control port: control calls never queue behind data work.
+        self.control_url = control_url
         self.pool = WorkerPool(spec, self.table, shared, control_url=control_url)
         self.participant = WorkersParticipant(spec.kind, self.pool, stateless=spec.stateless)
 

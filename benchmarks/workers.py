@@ -1,0 +1,263 @@
+"""Benchmark: a CPU-bound Gym handler served by 1, 2 and 4 worker processes.
+
+Each worker count runs the reference counter server (`participants/servers/
+counter.py`) under one `ParticipantHost` in a process of its own (so the load
+generator here never shares a process with a server): 1 worker is today's
+single-process host, the baseline; 2 and 4 are `ray_ckpt.workers` hosts on a
+shared port.  Per worker count, interleaved over `--reps` repetitions
+(medians):
+
+- `throughput_rps`: `POST /work` (`--work` SHA-256 rounds, pure CPU) served
+  per second by `--clients` concurrent clients over `--seconds`, one
+  connection per request (the kernel spreads connections, not requests);
+- `cycle_s`: one checkpoint (prepare, commit of `--rollouts` counters,
+  resume) over the HTTP control routes, under the same load.
+
+`speedup_2` = throughput(2) / throughput(1) (goal on 2 cores >= 1.6);
+`cycle_4_over_1` = cycle(4) / cycle(1) (goal <= 1.5).  Also printed, measured
+in the same run: the handler's pure CPU rate in this process (one core's
+ceiling).  Progress on stderr, a table on stdout; `--json` prints
+`{"runs": [{"workers", "throughput_rps", "cycle_s"}, ...], "speedup_2",
+"cycle_4_over_1"}` as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+if sys.path and os.path.abspath(sys.path[0]) == _HERE:
+    sys.path[0] = _ROOT
+
+import aiohttp  # noqa: E402  (after the sys.path fix)
+
+from participants.servers.counter import cpu_work  # noqa: E402
+
+TOKEN = "bench-workers-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+CONTROL = "/ng-control/v1/checkpoint"
+COUNTS = (1, 2, 4)
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# --- the server process --------------------------------------------------------------
+
+
+async def serve(workers: int) -> None:
+    """Run one host until stdin closes; print its URL first."""
+    from ray_ckpt.hosting.host import ParticipantHost
+    from ray_ckpt.hosting.spec import ServerSpec
+
+    spec = ServerSpec(
+        kind="resources",
+        name="bench",
+        factory="participants.servers.counter:counter_server",
+        settings={"enabled": True, "control_auth_token": TOKEN, "lease_grace_seconds": 60.0},
+        workers=workers,
+        spreading="rollout",
+    )
+    host = ParticipantHost(spec)
+    await host._ready()
+    # Control calls go where the coordinator's reach the host: with workers,
+    # the host's own control port; alone, the one app's (its data loop).
+    control = host.plane.control_url if host.plane is not None else host.url
+    print(f"URL {host.url} {control}", flush=True)
+    await asyncio.to_thread(sys.stdin.read)
+    await host.stop()
+
+
+class Server:
+    def __init__(self, workers: int) -> None:
+        env = {**os.environ, "PYTHONPATH": _ROOT}
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--serve", str(workers)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith("URL "):
+            self.stop()
+            raise RuntimeError(f"server for {workers} workers did not start: {line!r}")
+        self.url, self.control = line.split()[1:3]
+
+    def stop(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# --- load and cycles ------------------------------------------------------------------
+
+
+async def load(url: str, clients: int, work: int, stop: asyncio.Event) -> int:
+    served = 0
+    connector = aiohttp.TCPConnector(force_close=True, limit=clients)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def client() -> None:
+            nonlocal served
+            while not stop.is_set():
+                async with session.post(f"{url}/work", json={"n": work}) as resp:
+                    await resp.read()
+                    if resp.status == 200:
+                        served += 1
+
+        await asyncio.gather(*(client() for _ in range(clients)))
+    return served
+
+
+async def control(session: aiohttp.ClientSession, url: str, op: str, body: Any) -> Any:
+    async with session.post(f"{url}{CONTROL}/{op}", json=body, headers=AUTH) as resp:
+        reply = await resp.json()
+        if resp.status != 200:
+            raise RuntimeError(f"{op}: {resp.status} {reply}")
+        return reply
+
+
+async def cycle(session: aiohttp.ClientSession, url: str, cid: str, ckpt: str) -> float:
+    body = {"checkpoint_id": cid, "deadline_ts": time.time() + 30.0}
+    t0 = time.perf_counter()
+    prepared = await control(session, url, "prepare", body)
+    if prepared["phase"] != "prepared":
+        raise RuntimeError(f"prepare: {prepared}")
+    await control(session, url, "commit", {**body, "checkpoint_dir": ckpt})
+    await control(session, url, "resume", body)
+    return time.perf_counter() - t0
+
+
+async def measure(args: argparse.Namespace, workers: int, rep: int, workdir: str) -> dict[str, Any]:
+    server = await asyncio.to_thread(Server, workers)
+    try:
+        async with aiohttp.ClientSession() as session:
+            for i in range(args.rollouts):  # state to export, spread over the workers
+                async with session.post(f"{server.url}/ng-rollout/r{i}/step", json={}) as r:
+                    await r.read()
+            stop = asyncio.Event()
+            warm = asyncio.ensure_future(load(server.url, args.clients, args.work, stop))
+            await asyncio.sleep(args.warmup)
+            stop.set()
+            await warm
+            stop = asyncio.Event()
+            t0 = time.perf_counter()
+            running = asyncio.ensure_future(load(server.url, args.clients, args.work, stop))
+            await asyncio.sleep(args.seconds)
+            stop.set()
+            served = await running
+            rps = served / (time.perf_counter() - t0)
+            stop = asyncio.Event()
+            loaded = asyncio.ensure_future(load(server.url, args.clients, args.work, stop))
+            cycles = []
+            for k in range(args.cycles):
+                ckpt = os.path.join(workdir, f"w{workers}-r{rep}-c{k}")
+                cycles.append(await cycle(session, server.control, f"c{rep}-{k}", ckpt))
+            stop.set()
+            await loaded
+    finally:
+        await asyncio.to_thread(server.stop)
+    return {"workers": workers, "rps": rps, "cycle_s": statistics.median(cycles)}
+
+
+async def run(args: argparse.Namespace, workdir: str) -> tuple[dict[str, Any], float]:
+    t0 = time.perf_counter()
+    for _ in range(20):
+        cpu_work(args.work)
+    cpu_rps = 20 / (time.perf_counter() - t0)
+    log(f"handler alone in this process: {cpu_rps:.1f} rps on one core")
+    samples: dict[int, list[dict[str, Any]]] = {n: [] for n in COUNTS}
+    for rep in range(args.reps):
+        for n in COUNTS:  # interleaved: a noisy neighbour hits every count alike
+            sample = await measure(args, n, rep, workdir)
+            samples[n].append(sample)
+            log(
+                f"rep {rep + 1}/{args.reps} workers={n}: "
+                f"{sample['rps']:.1f} rps, cycle {sample['cycle_s'] * 1000:.1f} ms"
+            )
+    runs = [
+        {
+            "workers": n,
+            "throughput_rps": round(statistics.median(s["rps"] for s in samples[n]), 2),
+            "cycle_s": round(statistics.median(s["cycle_s"] for s in samples[n]), 4),
+        }
+        for n in COUNTS
+    ]
+    by = {r["workers"]: r for r in runs}
+    out = {
+        "runs": runs,
+        "speedup_2": round(by[2]["throughput_rps"] / by[1]["throughput_rps"], 3),
+        "cycle_4_over_1": round(by[4]["cycle_s"] / by[1]["cycle_s"], 3),
+    }
+    return out, cpu_rps
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (>= 1)")
+    ap.add_argument("--seconds", type=float, default=3.0, help="throughput window per run")
+    ap.add_argument("--warmup", type=float, default=0.5)
+    ap.add_argument("--clients", type=int, default=8, help="concurrent requests")
+    ap.add_argument("--work", type=int, default=20_000, help="SHA-256 rounds per request")
+    ap.add_argument("--cycles", type=int, default=5, help="checkpoint cycles per run (median)")
+    ap.add_argument("--rollouts", type=int, default=64, help="counters each checkpoint exports")
+    ap.add_argument("--json", action="store_true", help="last line: the JSON object")
+    args = ap.parse_args(argv)
+    if args.serve is not None:
+        asyncio.run(serve(args.serve))
+        return 0
+    workdir = tempfile.mkdtemp(prefix="ray-ckpt-bench-workers-")
+    try:
+        out, cpu_rps = asyncio.run(run(args, workdir))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    stream = sys.stderr if args.json else sys.stdout
+    base = out["runs"][0]
+    print(
+        f"{'workers':>7} {'rps':>8} {'x 1 worker':>10} {'cycle ms':>9} {'x 1 worker':>10}",
+        file=stream,
+    )
+    for r in out["runs"]:
+        print(
+            f"{r['workers']:>7} {r['throughput_rps']:>8.1f} "
+            f"{r['throughput_rps'] / base['throughput_rps']:>10.2f} "
+            f"{r['cycle_s'] * 1000:>9.1f} {r['cycle_s'] / base['cycle_s']:>10.2f}",
+            file=stream,
+        )
+    print(
+        f"baselines: 1 worker = today's single-process host; handler alone on one core "
+        f"in this process: {cpu_rps:.1f} rps (cores here: {os.cpu_count()})",
+        file=stream,
+    )
+    print(
+        f"speedup_2: {out['speedup_2']:.2f} (goal >= 1.6); "
+        f"cycle_4_over_1: {out['cycle_4_over_1']:.2f} (goal <= 1.5)",
+        file=stream,
+    )
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
