@@ -34,6 +34,8 @@ from ray_ckpt.workers.tracking import WorkerReport, WorkerTable, worker_id
 log = logging.getLogger(__name__)
 
 RESPAWN_DELAY_S = 0.5
+# Exits in a row before a worker ever said hello, after which it is not respawned.
+MAX_FAILED_STARTS = 3
 STOP_GRACE_S = 10.0
 
 
@@ -90,6 +92,9 @@ class WorkerPool:
         self.spawned = 0
         self._complete = asyncio.Event()  # every expected worker reported once
         self._waiters: list[asyncio.Future[None]] = []
+        self._hellos: dict[int, int] = {}  # index -> hellos ever said
+        self._failed = asyncio.Event()
+        self.failure: str | None = None  # why a worker cannot start at all
 
     # --- lifecycle -------------------------------------------------------------
     async def start(self, timeout_s: float = 60.0) -> None:
@@ -99,8 +104,16 @@ class WorkerPool:
         )
         self._spawn_all()
         self._task(self._watch_silence())
-        async with asyncio.timeout(timeout_s):
-            await self._complete.wait()
+        complete = asyncio.ensure_future(self._complete.wait())
+        failed = asyncio.ensure_future(self._failed.wait())
+        try:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.wait({complete, failed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            complete.cancel()
+            failed.cancel()
+        if self.failure is not None:
+            raise RuntimeError(f"{self.spec.actor_name}: {self.failure}")
 
     def _spawn_all(self) -> None:
         for index in range(self.table.expected):
@@ -113,6 +126,7 @@ class WorkerPool:
 
     async def _run_worker(self, index: int) -> None:
         """Keep worker `index` running (respawned after a loss) until stop."""
+        failed_starts = 0
         while not self._stopping:
             config = WorkerConfig(
                 spec=self.spec,
@@ -133,6 +147,7 @@ class WorkerPool:
             )
             self.spawned += 1
             self.procs[index] = proc
+            hellos = self._hellos.get(index, 0)
             assert proc.stdin is not None
             proc.stdin.write(encode_config(config))
             proc.stdin.close()
@@ -140,6 +155,19 @@ class WorkerPool:
             self._lost(worker_id(index), None)
             if self._stopping:
                 return
+            if self._hellos.get(index, 0) == hellos:
+                failed_starts += 1
+                if failed_starts >= MAX_FAILED_STARTS:
+                    # A server that cannot start (a bad factory, an ASGI app)
+                    # is an error to report, not a process to respawn forever.
+                    self.failure = (
+                        f"worker w{index} exited {failed_starts} times before it started "
+                        f"(last exit code {code}; its error is in the host's log)"
+                    )
+                    self._failed.set()
+                    return
+            else:
+                failed_starts = 0
             log.warning(
                 "%s: worker w%d exited (%s); replacing it", self.spec.actor_name, index, code
             )
@@ -161,6 +189,7 @@ class WorkerPool:
             me.update(wid=wid, incarnation=incarnation)
             self.channels[wid] = (incarnation, channel)
             self.urls[index] = str(body["url"])
+            self._hellos[index] = self._hellos.get(index, 0) + 1
             self._task(self._broadcast_peers())
             self._changed()
             return {

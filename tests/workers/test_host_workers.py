@@ -213,3 +213,22 @@ async def test_a_stateless_server_never_blocks_and_a_shared_port_spreads(
     committed = await host.call("commit", body("c1", checkpoint_dir=str(tmp_path)))
     assert committed["episode_ids"] == []
     await host.call("resume", body("c1"))
+
+
+async def test_a_server_whose_workers_cannot_start_fails_the_host_start() -> None:
+    from ray_ckpt.hosting.spec import ServerSpec
+
+    # An ASGI (FastAPI) app: workers serve aiohttp apps only; they exit at start.
+    spec = ServerSpec(
+        kind="environment",
+        name="asgi",
+        factory="tests.servers:fastapi_server",
+        settings={"enabled": True, "control_auth_token": "t"},
+        workers=2,
+    )
+    host = ParticipantHost(spec)
+    with pytest.raises(RuntimeError, match="exited 3 times before it started"):
+        await asyncio.wait_for(host._ready(), 60)
+    await host.stop()
+    assert host.plane is not None
+    assert all(p.returncode is not None for p in host.plane.pool.procs.values())
