@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -111,18 +112,18 @@ class Server:
 # --- load and cycles ------------------------------------------------------------------
 
 
-async def load(url: str, clients: int, work: int, stop: asyncio.Event) -> int:
-    served = 0
+async def load(url: str, clients: int, work: int, stop: asyncio.Event) -> Counter[int]:
+    """Requests served until `stop`, by the serving process's pid."""
+    served: Counter[int] = Counter()
     connector = aiohttp.TCPConnector(force_close=True, limit=clients)
     async with aiohttp.ClientSession(connector=connector) as session:
 
         async def client() -> None:
-            nonlocal served
             while not stop.is_set():
                 async with session.post(f"{url}/work", json={"n": work}) as resp:
-                    await resp.read()
+                    reply = await resp.json()
                     if resp.status == 200:
-                        served += 1
+                        served[int(reply["pid"])] += 1
 
         await asyncio.gather(*(client() for _ in range(clients)))
     return served
@@ -165,7 +166,8 @@ async def measure(args: argparse.Namespace, workers: int, rep: int, workdir: str
             await asyncio.sleep(args.seconds)
             stop.set()
             served = await running
-            rps = served / (time.perf_counter() - t0)
+            rps = sum(served.values()) / (time.perf_counter() - t0)
+            share = max(served.values()) / max(sum(served.values()), 1)
             stop = asyncio.Event()
             loaded = asyncio.ensure_future(load(server.url, args.clients, args.work, stop))
             cycles = []
@@ -176,7 +178,12 @@ async def measure(args: argparse.Namespace, workers: int, rep: int, workdir: str
             await loaded
     finally:
         await asyncio.to_thread(server.stop)
-    return {"workers": workers, "rps": rps, "cycle_s": statistics.median(cycles)}
+    return {
+        "workers": workers,
+        "rps": rps,
+        "cycle_s": statistics.median(cycles),
+        "spread": f"{len(served)} pids, busiest {share:.0%}",
+    }
 
 
 async def run(args: argparse.Namespace, workdir: str) -> tuple[dict[str, Any], float]:
@@ -192,7 +199,8 @@ async def run(args: argparse.Namespace, workdir: str) -> tuple[dict[str, Any], f
             samples[n].append(sample)
             log(
                 f"rep {rep + 1}/{args.reps} workers={n}: "
-                f"{sample['rps']:.1f} rps, cycle {sample['cycle_s'] * 1000:.1f} ms"
+                f"{sample['rps']:.1f} rps, cycle {sample['cycle_s'] * 1000:.1f} ms "
+                f"({sample['spread']}; load average {os.getloadavg()[0]:.1f})"
             )
     runs = [
         {

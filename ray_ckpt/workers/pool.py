@@ -20,16 +20,16 @@ import os
 import shutil
 import signal
 import socket
-import sys
 import tempfile
 from collections.abc import Callable
 from typing import Any
 
 from ray_ckpt.hosting.spec import ServerSpec
 from ray_ckpt.workers.channel import MESSAGE_TIMEOUT_S, Channel, ChannelClosed
-from ray_ckpt.workers.config import WorkerConfig, encode_config
+from ray_ckpt.workers.config import WorkerConfig
 from ray_ckpt.workers.frames import DEFAULT_MAX_FRAME_BYTES
-from ray_ckpt.workers.tracking import WorkerReport, WorkerTable, worker_id
+from ray_ckpt.workers.spawn import spawn_worker, to_report
+from ray_ckpt.workers.tracking import WorkerTable, worker_id
 
 log = logging.getLogger(__name__)
 
@@ -37,28 +37,6 @@ RESPAWN_DELAY_S = 0.5
 # Exits in a row before a worker ever said hello, after which it is not respawned.
 MAX_FAILED_STARTS = 3
 STOP_GRACE_S = 10.0
-
-
-def to_report(body: dict[str, Any]) -> WorkerReport:
-    return WorkerReport(
-        generation=int(body["generation"]),
-        ready=bool(body["ready"]),
-        live=int(body.get("live", 0)),
-        fresh=bool(body.get("fresh", True)),
-        retiring=int(body.get("retiring", 0)),
-        blockers=tuple(body.get("blockers", ())),
-        blocker_count=int(body.get("blocker_count", 0)),
-        restarts=tuple(body.get("restarts", ())),
-    )
-
-
-def _child_env() -> dict[str, str]:
-    """The host's environment, with its import path: a worker imports the
-    server's factory exactly as the host would (a Ray actor's path may hold
-    directories no environment variable names)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    return env
 
 
 class WorkerPool:
@@ -137,20 +115,10 @@ class WorkerPool:
                 control_url=self.control_url,
                 max_frame_bytes=self.max_frame_bytes,
             )
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "ray_ckpt.workers.worker",
-                stdin=asyncio.subprocess.PIPE,
-                pass_fds=(self.shared.fileno(),),
-                env=_child_env(),
-            )
+            proc = await spawn_worker(config)
             self.spawned += 1
             self.procs[index] = proc
             hellos = self._hellos.get(index, 0)
-            assert proc.stdin is not None
-            proc.stdin.write(encode_config(config))
-            proc.stdin.close()
             code = await proc.wait()
             self._lost(worker_id(index), None)
             if self._stopping:

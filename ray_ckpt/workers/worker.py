@@ -97,14 +97,12 @@ class WorkerRuntime:
     # --- the host's requests ---------------------------------------------------
     async def handle(self, op: str, body: dict[str, Any]) -> Any:
         p = self.participant
-        if op == "close":
-            p.close_admission()
-            self.generation = int(body["generation"])
-            self._dirty.set()
-            return self.report()
-        if op == "open":
-            p.open_admission()
-            self.generation = int(body["generation"])
+        if op in ("close", "open"):
+            generation = int(body["generation"])
+            if generation < self.generation:
+                return self.report()  # overtaken by a newer close or open: ignore it
+            (p.close_admission if op == "close" else p.open_admission)()
+            self.generation = generation
             self._dirty.set()
             return self.report()
         if op == "export":
