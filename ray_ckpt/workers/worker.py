@@ -34,6 +34,7 @@ from ray_ckpt.storage.record import Record
 from ray_ckpt.workers.channel import Channel
 from ray_ckpt.workers.config import WorkerConfig, decode_config
 from ray_ckpt.workers.front import WorkerFront
+from ray_ckpt.workers.serve import serve_worker_app
 
 log = logging.getLogger(__name__)
 
@@ -138,35 +139,9 @@ class WorkerRuntime:
         raise ValueError(f"unknown worker operation {op!r}")
 
 
-async def accept_one_at_a_time(runner: web.AppRunner, shared: socket.socket) -> None:
-    """Accept on the shared port one connection per loop turn.
-
-    asyncio's own server accepts every pending connection at once (up to its
-    backlog) when the socket turns readable, so a worker just back from CPU
-    work would take a whole burst while its siblings sit idle.  One accept,
-    then the loop runs what is ready (maybe CPU work, during which an idle
-    sibling accepts the next): the connections go to the workers with time.
-    Changing the socket's backlog instead would shrink the kernel's queue
-    for every worker (`listen` is per socket, not per process)."""
-    loop = asyncio.get_running_loop()
-    protocol = runner.server
-    assert protocol is not None
-    while True:
-        try:
-            conn, _ = await loop.sock_accept(shared)
-        except OSError as exc:  # EMFILE and the like: back off, never spin
-            log.warning("accept failed: %r", exc)
-            await asyncio.sleep(0.1)
-            continue
-        await loop.connect_accepted_socket(protocol, conn)
-        await asyncio.sleep(0)
-
-
 async def run_worker(config: WorkerConfig) -> None:
     server = load_server(config.spec)
     app = server.app()
-    if not isinstance(app, web.Application):
-        raise TypeError("multi-worker hosting serves aiohttp apps only")
     runtime = WorkerRuntime(config, server)
     front = WorkerFront(
         index=config.index,
@@ -174,7 +149,8 @@ async def run_worker(config: WorkerConfig) -> None:
         spreading=config.spec.spreading,
         control_url=config.control_url,
     )
-    app.middlewares.insert(0, front.middleware)
+    if isinstance(app, web.Application):
+        app.middlewares.insert(0, front.middleware)
 
     def on_message(op: str, body: dict[str, Any]) -> None:
         if op == "peers":
@@ -207,10 +183,7 @@ async def run_worker(config: WorkerConfig) -> None:
         if hello["closed"]:
             # Started while a checkpoint is open: closed before serving anything.
             runtime.participant.close_admission()
-    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=5.0)
-    await runner.setup()
-    await web.SockSite(runner, private).start()
-    accepting = asyncio.get_running_loop().create_task(accept_one_at_a_time(runner, shared))
+    serving = await serve_worker_app(app, front, shared, private)
     reports = asyncio.get_running_loop().create_task(runtime.report_loop())
     stopped = asyncio.get_running_loop().create_task(runtime.stop_requested.wait())
     lost = asyncio.get_running_loop().create_task(channel.closed.wait())
@@ -219,9 +192,9 @@ async def run_worker(config: WorkerConfig) -> None:
         # The host is gone: nobody owns this worker's control plane any more.
         log.warning("w%d: host connection lost; stopping", config.index)
         os._exit(3)
-    for task in (accepting, reports, stopped, lost):
+    for task in (reports, stopped, lost):
         task.cancel()
-    await runner.cleanup()
+    await serving.stop()
     await front.aclose()
     await server.aclose()
     await channel.aclose()

@@ -218,11 +218,11 @@ async def test_a_stateless_server_never_blocks_and_a_shared_port_spreads(
 async def test_a_server_whose_workers_cannot_start_fails_the_host_start() -> None:
     from ray_ckpt.hosting.spec import ServerSpec
 
-    # An ASGI (FastAPI) app: workers serve aiohttp apps only; they exit at start.
+    # The factory raises in every worker: they exit before their hello.
     spec = ServerSpec(
         kind="environment",
-        name="asgi",
-        factory="tests.servers:fastapi_server",
+        name="broken",
+        factory="participants.servers.counter:no_such_factory",
         settings={"enabled": True, "control_auth_token": "t"},
         workers=2,
     )
