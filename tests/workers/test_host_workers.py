@@ -232,3 +232,26 @@ async def test_a_server_whose_workers_cannot_start_fails_the_host_start() -> Non
     await host.stop()
     assert host.plane is not None
     assert all(p.returncode is not None for p in host.plane.pool.procs.values())
+
+
+async def test_with_checkpointing_off_workers_just_serve(http: aiohttp.ClientSession) -> None:
+    from ray_ckpt.hosting.spec import ServerSpec
+
+    spec = ServerSpec(
+        kind="resources",
+        name="plain",
+        factory="participants.servers.counter:counter_server",
+        workers=2,
+        spreading="rollout",
+    )
+    host = ParticipantHost(spec)
+    try:
+        await host._ready()
+        assert host.controller is None
+        key = owned_by(1, 2)[0]
+        counts = [(await step(http, host.url, key))[1]["count"] for _ in range(3)]
+        assert counts == [1, 2, 3]  # affine: one worker holds the rollout
+        async with http.get(f"{host.url}/ng-control/v1/checkpoint/status") as r:
+            assert r.status == 404  # no control plane, as without ray-ckpt
+    finally:
+        await host.stop()
