@@ -4,14 +4,17 @@ Each worker count runs the reference counter server (`participants/servers/
 counter.py`) under one `ParticipantHost` in a process of its own (so the load
 generator here never shares a process with a server): 1 worker is today's
 single-process host, the baseline; 2 and 4 are `ray_ckpt.workers` hosts on a
-shared port.  Per worker count, interleaved over `--reps` repetitions
-(medians):
+shared port.  All three run at once (an idle one costs nothing) and
+`--rounds` rounds alternate short windows between them, so a neighbour's
+changing load hits every count alike (medians over the rounds):
 
 - `throughput_rps`: `POST /work` (`--work` SHA-256 rounds, pure CPU) served
-  per second by `--clients` concurrent clients over `--seconds`, one
+  per second by `--clients` concurrent clients over a `--window`, one
   connection per request (the kernel spreads connections, not requests);
-- `cycle_s`: one checkpoint (prepare, commit of `--rollouts` counters,
-  resume) over the HTTP control routes, under the same load.
+- `cycle_s`: then one checkpoint (prepare, commit of `--rollouts` counters,
+  resume) over the host's control routes, under the same load (with
+  workers: the host's own control port, where the coordinator reaches it;
+  alone: the one app's, behind its data work).
 
 `speedup_2` = throughput(2) / throughput(1) (goal on 2 cores >= 1.6);
 `cycle_4_over_1` = cycle(4) / cycle(1) (goal <= 1.5).  Also printed, measured
@@ -112,9 +115,10 @@ class Server:
 # --- load and cycles ------------------------------------------------------------------
 
 
-async def load(url: str, clients: int, work: int, stop: asyncio.Event) -> Counter[int]:
-    """Requests served until `stop`, by the serving process's pid."""
-    served: Counter[int] = Counter()
+async def load(
+    url: str, clients: int, work: int, stop: asyncio.Event, served: Counter[int]
+) -> None:
+    """Requests until `stop`, counted in `served` by the serving process's pid."""
     connector = aiohttp.TCPConnector(force_close=True, limit=clients)
     async with aiohttp.ClientSession(connector=connector) as session:
 
@@ -126,7 +130,6 @@ async def load(url: str, clients: int, work: int, stop: asyncio.Event) -> Counte
                         served[int(reply["pid"])] += 1
 
         await asyncio.gather(*(client() for _ in range(clients)))
-    return served
 
 
 async def control(session: aiohttp.ClientSession, url: str, op: str, body: Any) -> Any:
@@ -148,42 +151,21 @@ async def cycle(session: aiohttp.ClientSession, url: str, cid: str, ckpt: str) -
     return time.perf_counter() - t0
 
 
-async def measure(args: argparse.Namespace, workers: int, rep: int, workdir: str) -> dict[str, Any]:
-    server = await asyncio.to_thread(Server, workers)
-    try:
-        async with aiohttp.ClientSession() as session:
-            for i in range(args.rollouts):  # state to export, spread over the workers
-                async with session.post(f"{server.url}/ng-rollout/r{i}/step", json={}) as r:
-                    await r.read()
-            stop = asyncio.Event()
-            warm = asyncio.ensure_future(load(server.url, args.clients, args.work, stop))
-            await asyncio.sleep(args.warmup)
-            stop.set()
-            await warm
-            stop = asyncio.Event()
-            t0 = time.perf_counter()
-            running = asyncio.ensure_future(load(server.url, args.clients, args.work, stop))
-            await asyncio.sleep(args.seconds)
-            stop.set()
-            served = await running
-            rps = sum(served.values()) / (time.perf_counter() - t0)
-            share = max(served.values()) / max(sum(served.values()), 1)
-            stop = asyncio.Event()
-            loaded = asyncio.ensure_future(load(server.url, args.clients, args.work, stop))
-            cycles = []
-            for k in range(args.cycles):
-                ckpt = os.path.join(workdir, f"w{workers}-r{rep}-c{k}")
-                cycles.append(await cycle(session, server.control, f"c{rep}-{k}", ckpt))
-            stop.set()
-            await loaded
-    finally:
-        await asyncio.to_thread(server.stop)
-    return {
-        "workers": workers,
-        "rps": rps,
-        "cycle_s": statistics.median(cycles),
-        "spread": f"{len(served)} pids, busiest {share:.0%}",
-    }
+async def window(
+    args: argparse.Namespace, server: Server, session: aiohttp.ClientSession, cid: str, ckpt: str
+) -> dict[str, Any]:
+    """One sample: throughput over a window, then one cycle under the same load."""
+    stop = asyncio.Event()
+    counted: Counter[int] = Counter()
+    t0 = time.perf_counter()
+    running = asyncio.ensure_future(load(server.url, args.clients, args.work, stop, counted))
+    await asyncio.sleep(args.window)
+    served = Counter(counted)
+    elapsed = time.perf_counter() - t0
+    took = await cycle(session, server.control, cid, ckpt)
+    stop.set()
+    await running
+    return {"served": served, "rps": sum(served.values()) / elapsed, "cycle_s": took}
 
 
 async def run(args: argparse.Namespace, workdir: str) -> tuple[dict[str, Any], float]:
@@ -192,21 +174,48 @@ async def run(args: argparse.Namespace, workdir: str) -> tuple[dict[str, Any], f
         cpu_work(args.work)
     cpu_rps = 20 / (time.perf_counter() - t0)
     log(f"handler alone in this process: {cpu_rps:.1f} rps on one core")
-    samples: dict[int, list[dict[str, Any]]] = {n: [] for n in COUNTS}
-    for rep in range(args.reps):
-        for n in COUNTS:  # interleaved: a noisy neighbour hits every count alike
-            sample = await measure(args, n, rep, workdir)
-            samples[n].append(sample)
-            log(
-                f"rep {rep + 1}/{args.reps} workers={n}: "
-                f"{sample['rps']:.1f} rps, cycle {sample['cycle_s'] * 1000:.1f} ms "
-                f"({sample['spread']}; load average {os.getloadavg()[0]:.1f})"
-            )
+    # Every count's server runs from the start (an idle one costs nothing),
+    # and the rounds alternate short windows between them: under a
+    # neighbour's changing load each count sees the same mix of quiet and
+    # busy moments, which whole runs one after another do not.
+    servers = {n: await asyncio.to_thread(Server, n) for n in COUNTS}
+    rps: dict[int, list[float]] = {n: [] for n in COUNTS}
+    cycles: dict[int, list[float]] = {n: [] for n in COUNTS}
+    try:
+        async with aiohttp.ClientSession() as session:
+            for server in servers.values():
+                for i in range(args.rollouts):  # state to export, over the workers
+                    async with session.post(f"{server.url}/ng-rollout/r{i}/step", json={}) as r:
+                        await r.read()
+                stop = asyncio.Event()
+                warm = asyncio.ensure_future(
+                    load(server.url, args.clients, args.work, stop, Counter())
+                )
+                await asyncio.sleep(args.warmup)
+                stop.set()
+                await warm
+            for rnd in range(args.rounds):
+                for n, server in servers.items():
+                    ckpt = os.path.join(workdir, f"w{n}-{rnd}")
+                    sample = await window(args, server, session, f"c{rnd}", ckpt)
+                    served: Counter[int] = sample["served"]
+                    total = sum(served.values())
+                    rps[n].append(sample["rps"])
+                    cycles[n].append(sample["cycle_s"])
+                    share = max(served.values()) / max(total, 1)
+                    log(
+                        f"round {rnd + 1}/{args.rounds} workers={n}: {rps[n][-1]:.1f} rps, "
+                        f"cycle {sample['cycle_s'] * 1000:.1f} ms ({len(served)} pids, busiest "
+                        f"{share:.0%}; load average {os.getloadavg()[0]:.1f})"
+                    )
+    finally:
+        for server in servers.values():
+            await asyncio.to_thread(server.stop)
     runs = [
         {
             "workers": n,
-            "throughput_rps": round(statistics.median(s["rps"] for s in samples[n]), 2),
-            "cycle_s": round(statistics.median(s["cycle_s"] for s in samples[n]), 4),
+            "throughput_rps": round(statistics.median(rps[n]), 2),
+            "cycle_s": round(statistics.median(cycles[n]), 4),
         }
         for n in COUNTS
     ]
@@ -222,12 +231,11 @@ async def run(args: argparse.Namespace, workdir: str) -> tuple[dict[str, Any], f
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (>= 1)")
-    ap.add_argument("--seconds", type=float, default=3.0, help="throughput window per run")
+    ap.add_argument("--rounds", type=int, default=8, help="interleaved rounds (>= 1)")
+    ap.add_argument("--window", type=float, default=1.5, help="throughput window, seconds")
     ap.add_argument("--warmup", type=float, default=0.5)
     ap.add_argument("--clients", type=int, default=8, help="concurrent requests")
     ap.add_argument("--work", type=int, default=20_000, help="SHA-256 rounds per request")
-    ap.add_argument("--cycles", type=int, default=5, help="checkpoint cycles per run (median)")
     ap.add_argument("--rollouts", type=int, default=64, help="counters each checkpoint exports")
     ap.add_argument("--json", action="store_true", help="last line: the JSON object")
     args = ap.parse_args(argv)
