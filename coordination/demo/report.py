@@ -47,6 +47,7 @@ class DemoReport:
     resumed_s: float | None = None  # async: from the call to the Gym resumed
     durable_s: float | None = None  # async: from the call to the Gym manifest written
     workers: int = 1  # worker processes per Gym server
+    restore_workers: int = 1  # ... in the fresh fleet the restore went to
     # kind -> worker processes whose /stats answered at the checkpoint
     workers_serving: dict[str, int] = field(default_factory=dict)
 
@@ -160,6 +161,7 @@ class DemoReport:
             "durable_s": None if self.durable_s is None else round(self.durable_s, 4),
             "workers": self.workers,
             "workers_serving": self.workers_serving,
+            "restore_workers": self.restore_workers,
         }
 
 

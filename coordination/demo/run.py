@@ -63,6 +63,7 @@ class DemoOptions:
     timeline: str | None = None  # write the checkpoint's Chrome trace here
     durability: str = "sync"  # "async": resume once captured, then wait for durable
     workers: int = 1  # worker processes per Gym server (ray_ckpt.workers)
+    restore_workers: int | None = None  # the fresh fleet's count (default: workers)
 
 
 def fleet_config(opts: DemoOptions, *, suffix: str, namespace: str) -> FleetConfig:
@@ -107,6 +108,7 @@ async def run_demo(opts: DemoOptions, ui: Ui, ray_nodes: LocalRay | None = None)
     local = ray_nodes or LocalRay(started=False)
     report = DemoReport(rollouts=opts.rollouts, steps=opts.steps, nodes=local.nodes)
     report.workers = opts.workers
+    report.restore_workers = opts.restore_workers or opts.workers
     ckpt_dir = opts.checkpoint_dir or tempfile.mkdtemp(prefix="ray-ckpt-demo-")
 
     # 1. The uninterrupted run the checkpointed one must equal.
@@ -182,7 +184,10 @@ async def run_demo(opts: DemoOptions, ui: Ui, ray_nodes: LocalRay | None = None)
 
             # 4. A fresh fleet restores and continues every unfinished rollout.
             with ui.phase("restore into a fresh fleet", total=None):
-                replacement = await launch_fleet(config, placement=placement)
+                restored_as = msgspec.structs.replace(
+                    config, workers=opts.restore_workers or opts.workers
+                )
+                replacement = await launch_fleet(restored_as, placement=placement)
                 report.placement["after"] = replacement.placement
                 cont = await restore_and_continue(
                     handle, replacement, session, ckpt_dir, scope, rollouts
@@ -294,6 +299,12 @@ def _kill_coordinator(handle: Any) -> None:
     show_default=True,
     type=click.IntRange(1, 8),
     help="Worker processes per Gym server, under one host each (rollout-affine).",
+)
+@click.option(
+    "--restore-workers",
+    default=None,
+    type=click.IntRange(1, 8),
+    help="Worker processes per server of the fresh fleet the restore goes to (default: --workers).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
 def demo_cli(as_json: bool, namespace: str | None, **kwargs: Any) -> None:

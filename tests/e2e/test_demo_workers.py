@@ -12,9 +12,12 @@ from coordination.demo.report import Ui
 pytestmark = [pytest.mark.ray]
 
 
+@pytest.mark.parametrize("restore_workers", [2, 3])
 async def test_demo_with_two_workers_per_server_continues_every_rollout(
-    namespace: str, tmp_path: Path
+    namespace: str, tmp_path: Path, restore_workers: int
 ) -> None:
+    """2 -> 2 is `ray-ckpt demo --workers 2`; 2 -> 3 restores every episode
+    into the worker its rollout routes to among three."""
     opts = DemoOptions(
         address=None,
         namespace=namespace,
@@ -27,6 +30,7 @@ async def test_demo_with_two_workers_per_server_continues_every_rollout(
         verify_delay_s=0.15,
         stagger_s=0.2,
         workers=2,
+        restore_workers=restore_workers,
     )
     report = await run_demo(opts, Ui())
     summary = report.summary()
@@ -37,6 +41,7 @@ async def test_demo_with_two_workers_per_server_continues_every_rollout(
     assert summary["episodes_in_flight_at_checkpoint"] > 0
     assert summary["episodes_restarted"] == 0
     assert summary["workers"] == 2
+    assert summary["restore_workers"] == restore_workers
     # Every server, the environment included, ran two live workers.
     assert summary["workers_serving"] == {
         "environment": 2,
