@@ -38,6 +38,8 @@ from ray_ckpt.workers.serve import serve_worker_app
 
 log = logging.getLogger(__name__)
 
+REPORT_MIN_INTERVAL_S = 0.01
+
 
 class WorkerFence:
     """What a server's `attach` gets in a worker: the attempt fence, mirrored
@@ -91,6 +93,9 @@ class WorkerRuntime:
         while not self.channel.closed.is_set():
             self._dirty.clear()
             await self.channel.send("report", self.report())
+            # Coalesce a burst of changes (a notify per generated token) into
+            # one report; a prepare waits this much longer at most.
+            await asyncio.sleep(REPORT_MIN_INTERVAL_S)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.config.heartbeat_s):
                     await self._dirty.wait()
