@@ -101,6 +101,15 @@ class Server:
             self.stop()
             raise RuntimeError(f"server for {workers} workers did not start: {line!r}")
         self.url, self.control = line.split()[1:3]
+        import psutil
+
+        # The host's process and its workers (children), for the CPU they get.
+        me = psutil.Process(self.proc.pid)
+        self.procs = [me, *me.children(recursive=True)]
+
+    def cpu_s(self) -> float:
+        """CPU seconds the server's processes used so far."""
+        return sum(sum(p.cpu_times()[:2]) for p in self.procs)
 
     def stop(self) -> None:
         if self.proc.stdin is not None:
@@ -157,18 +166,27 @@ async def window(
     """One sample: throughput over a window, then one cycle under the same load."""
     stop = asyncio.Event()
     counted: Counter[int] = Counter()
+    cpu0 = server.cpu_s()
     t0 = time.perf_counter()
     running = asyncio.ensure_future(load(server.url, args.clients, args.work, stop, counted))
     await asyncio.sleep(args.window)
     served = Counter(counted)
     elapsed = time.perf_counter() - t0
+    cores = (server.cpu_s() - cpu0) / elapsed
     took = await cycle(session, server.control, cid, ckpt)
     stop.set()
     await running
-    return {"served": served, "rps": sum(served.values()) / elapsed, "cycle_s": took}
+    return {
+        "served": served,
+        "rps": sum(served.values()) / elapsed,
+        "cores": cores,
+        "cycle_s": took,
+    }
 
 
-async def run(args: argparse.Namespace, workdir: str) -> tuple[dict[str, Any], float]:
+async def run(
+    args: argparse.Namespace, workdir: str
+) -> tuple[dict[str, Any], float, dict[int, float]]:
     t0 = time.perf_counter()
     for _ in range(20):
         cpu_work(args.work)
@@ -181,6 +199,7 @@ async def run(args: argparse.Namespace, workdir: str) -> tuple[dict[str, Any], f
     servers = {n: await asyncio.to_thread(Server, n) for n in COUNTS}
     rps: dict[int, list[float]] = {n: [] for n in COUNTS}
     cycles: dict[int, list[float]] = {n: [] for n in COUNTS}
+    cores: dict[int, list[float]] = {n: [] for n in COUNTS}
     try:
         async with aiohttp.ClientSession() as session:
             for server in servers.values():
@@ -202,9 +221,11 @@ async def run(args: argparse.Namespace, workdir: str) -> tuple[dict[str, Any], f
                     total = sum(served.values())
                     rps[n].append(sample["rps"])
                     cycles[n].append(sample["cycle_s"])
+                    cores[n].append(sample["cores"])
                     share = max(served.values()) / max(total, 1)
                     log(
-                        f"round {rnd + 1}/{args.rounds} workers={n}: {rps[n][-1]:.1f} rps, "
+                        f"round {rnd + 1}/{args.rounds} workers={n}: {rps[n][-1]:.1f} rps on "
+                        f"{cores[n][-1]:.2f} cores, "
                         f"cycle {sample['cycle_s'] * 1000:.1f} ms ({len(served)} pids, busiest "
                         f"{share:.0%}; load average {os.getloadavg()[0]:.1f})"
                     )
@@ -225,7 +246,8 @@ async def run(args: argparse.Namespace, workdir: str) -> tuple[dict[str, Any], f
         "speedup_2": round(by[2]["throughput_rps"] / by[1]["throughput_rps"], 3),
         "cycle_4_over_1": round(by[4]["cycle_s"] / by[1]["cycle_s"], 3),
     }
-    return out, cpu_rps
+    used = {n: statistics.median(cores[n]) for n in COUNTS}
+    return out, cpu_rps, used
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -244,25 +266,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     workdir = tempfile.mkdtemp(prefix="ray-ckpt-bench-workers-")
     try:
-        out, cpu_rps = asyncio.run(run(args, workdir))
+        out, cpu_rps, used = asyncio.run(run(args, workdir))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     stream = sys.stderr if args.json else sys.stdout
     base = out["runs"][0]
     print(
-        f"{'workers':>7} {'rps':>8} {'x 1 worker':>10} {'cycle ms':>9} {'x 1 worker':>10}",
+        f"{'workers':>7} {'rps':>8} {'x 1 worker':>10} {'cores got':>9} {'rps/core':>8} "
+        f"{'cycle ms':>9} {'x 1 worker':>10}",
         file=stream,
     )
     for r in out["runs"]:
+        got = used[r["workers"]]
         print(
             f"{r['workers']:>7} {r['throughput_rps']:>8.1f} "
-            f"{r['throughput_rps'] / base['throughput_rps']:>10.2f} "
+            f"{r['throughput_rps'] / base['throughput_rps']:>10.2f} {got:>9.2f} "
+            f"{r['throughput_rps'] / max(got, 1e-9):>8.1f} "
             f"{r['cycle_s'] * 1000:>9.1f} {r['cycle_s'] / base['cycle_s']:>10.2f}",
             file=stream,
         )
     print(
-        f"baselines: 1 worker = today's single-process host; handler alone on one core "
-        f"in this process: {cpu_rps:.1f} rps (cores here: {os.cpu_count()})",
+        f"baselines: 1 worker = today's single-process host; the handler alone on one "
+        f"core in this process: {cpu_rps:.1f} rps; 'cores got' = CPU seconds per second "
+        f"the server's processes were given (cores here: {os.cpu_count()}; on a shared "
+        "machine the kernel's autogroup scheduler gives this session's processes one "
+        "session's share, whatever their number)",
         file=stream,
     )
     print(
