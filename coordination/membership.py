@@ -19,9 +19,10 @@ from typing import Any
 
 from coordination.calls import coordination_failed
 from coordination.fanout import failure
-from coordination.hosts import Host
+from coordination.hosts import Host, HttpHost
 from coordination.replies import as_mapping
 from ray_ckpt.errors import CheckpointError, InvalidRequest, NotFound, ParticipantUnavailable
+from ray_ckpt.workers.detect import refuse_unmanaged_workers
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ async def probe(host: Host, timeout_s: float) -> dict[str, Any] | None:
         )
         return None
     check_kind(host, status)
+    if isinstance(host, HttpHost):
+        # Several processes each with its own controller cannot be paused as one.
+        await refuse_unmanaged_workers(host.client, dict(as_mapping(status)), what=host.member.key)
     return dict(as_mapping(status))
 
 

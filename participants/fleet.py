@@ -57,6 +57,9 @@ class FleetConfig(msgspec.Struct, frozen=True, kw_only=True):
     # `checkpoint.completion_receipts`: the environment holds each finished
     # result until the driver acknowledges it (`handle.ack`).
     completion_receipts: bool = False
+    # Worker processes per server (`ray_ckpt.workers`); with more than one,
+    # every reference server spreads by rollout (each holds per-episode state).
+    workers: int = 1
 
     def server_name(self, kind: str) -> str:
         return f"ref-{kind.replace('_', '-')}" + (f"-{self.suffix}" if self.suffix else "")
@@ -171,6 +174,8 @@ async def launch_fleet(
                 factory=factory,
                 options=options,
                 settings=settings,
+                workers=config.workers,
+                spreading="rollout",
             )
             fleet.hosts[kind] = await _start(spec, config.namespace, placement.get(kind))
             info = await asyncio.wait_for(fleet.hosts[kind].ready.remote(), start_timeout_s)

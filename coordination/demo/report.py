@@ -49,6 +49,10 @@ class DemoReport:
     completion_receipts: bool = False
     replies_lost: int = 0  # results whose reply the driver lost before the checkpoint
     results_recovered_by_receipt: int = 0  # ... and got back by `collect()` after the restore
+    workers: int = 1  # worker processes per Gym server
+    restore_workers: int = 1  # ... in the fresh fleet the restore went to
+    # kind -> worker processes whose /stats answered at the checkpoint
+    workers_serving: dict[str, int] = field(default_factory=dict)
 
     def add_checkpoint(self, prepared: PrepareResult, committed: CommitResult) -> None:
         self.checkpoint_id = committed.checkpoint_id
@@ -164,6 +168,9 @@ class DemoReport:
             "completion_receipts": self.completion_receipts,
             "replies_lost": self.replies_lost,
             "results_recovered_by_receipt": self.results_recovered_by_receipt,
+            "workers": self.workers,
+            "workers_serving": self.workers_serving,
+            "restore_workers": self.restore_workers,
         }
 
 

@@ -67,6 +67,8 @@ class DemoOptions:
     # gets those results back by `collect()` after the restore.
     receipts: bool = True
     lose_replies: int = 2
+    workers: int = 1  # worker processes per Gym server (ray_ckpt.workers)
+    restore_workers: int | None = None  # the fresh fleet's count (default: workers)
 
 
 def fleet_config(
@@ -83,6 +85,7 @@ def fleet_config(
         model_seed=opts.seed,
         suffix=suffix,
         completion_receipts=receipts,
+        workers=opts.workers,
     )
 
 
@@ -129,6 +132,8 @@ async def run_demo(opts: DemoOptions, ui: Ui, ray_nodes: LocalRay | None = None)
     ns = opts.namespace
     local = ray_nodes or LocalRay(started=False)
     report = DemoReport(rollouts=opts.rollouts, steps=opts.steps, nodes=local.nodes)
+    report.workers = opts.workers
+    report.restore_workers = opts.restore_workers or opts.workers
     ckpt_dir = opts.checkpoint_dir or tempfile.mkdtemp(prefix="ray-ckpt-demo-")
 
     # 1. The uninterrupted run the checkpointed one must equal.
@@ -195,6 +200,9 @@ async def run_demo(opts: DemoOptions, ui: Ui, ray_nodes: LocalRay | None = None)
                 report.add_checkpoint(prepared, committed)
                 committed_id = committed.checkpoint_id
             before = await fleet_stats(fleet)
+            report.workers_serving = {
+                k: int(v.get("workers_answering", 1)) for k, v in before.items()
+            }
             report.finished_before_crash = len(rollouts.results)
 
             # 3. A crash before resume: every Gym actor dies (with --kill-node
@@ -212,7 +220,10 @@ async def run_demo(opts: DemoOptions, ui: Ui, ray_nodes: LocalRay | None = None)
 
             # 4. A fresh fleet restores and continues every unfinished rollout.
             with ui.phase("restore into a fresh fleet", total=None):
-                replacement = await launch_fleet(config, placement=placement)
+                restored_as = msgspec.structs.replace(
+                    config, workers=opts.restore_workers or opts.workers
+                )
+                replacement = await launch_fleet(restored_as, placement=placement)
                 report.placement["after"] = replacement.placement
                 cont = await restore_and_continue(
                     handle, replacement, session, ckpt_dir, scope, rollouts, collect=opts.receipts
@@ -335,6 +346,19 @@ def _kill_coordinator(handle: Any) -> None:
     show_default=True,
     type=click.IntRange(min=0),
     help="With receipts: the driver loses the first N replies; collect() recovers them.",
+)
+@click.option(
+    "--workers",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 8),
+    help="Worker processes per Gym server, under one host each (rollout-affine).",
+)
+@click.option(
+    "--restore-workers",
+    default=None,
+    type=click.IntRange(1, 8),
+    help="Worker processes per server of the fresh fleet the restore goes to (default: --workers).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
 def demo_cli(as_json: bool, namespace: str | None, **kwargs: Any) -> None:

@@ -138,6 +138,23 @@ class ControlClient:
     async def status(self) -> dict[str, Any]:
         return await self._request("GET", "status", None, self._timeout_s, None)
 
+    async def status_fresh(self) -> dict[str, Any]:
+        """Status over a connection of its own (never a pooled one), so that on
+        a port several processes accept on, each probe may reach another."""
+        url = f"{self.base_url}{CHECKPOINT_ROUTE_PREFIX}/status"
+        connector = aiohttp.TCPConnector(force_close=True)
+        try:
+            async with (
+                aiohttp.ClientSession(connector=connector) as session,
+                session.get(
+                    url, headers=self._headers, timeout=aiohttp.ClientTimeout(self._timeout_s)
+                ) as resp,
+            ):
+                status, raw = resp.status, await resp.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise ParticipantUnavailable(f"status of {self.base_url} failed: {exc!r}") from None
+        return _reply("status", self.base_url, status, raw)
+
     async def call(self, op: str, body: Mapping[str, Any] | msgspec.Struct) -> dict[str, Any]:
         """POST one control operation; the reply as plain builtins."""
         if op not in CONTROL_OPERATIONS:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import uuid
 from collections import Counter
 from typing import Any
 
@@ -90,6 +92,10 @@ class ParticipantController:
         self._background = BackgroundWrites()
         # Told of every call and lease expiry (the host's metrics); none off Ray.
         self.observer: ControlObserver | None = None
+        # Which process answers: a server whose port several processes share,
+        # each with a controller of its own, shows several (refused at
+        # discovery, `ray_ckpt.workers.detect`).
+        self.process_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         participant.bind(self.notify)
 
     # --- plumbing ----------------------------------------------------------
@@ -156,6 +162,7 @@ class ParticipantController:
             "background_write": self._background.status(),
             **receipt_ops.status_fields(self),
             "report": report_reply(self.participant.report(MAX_REPORTED_BLOCKERS)),
+            "process": self.process_id,
         }
 
     def _retiring_now(self) -> int:

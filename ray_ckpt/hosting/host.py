@@ -37,6 +37,7 @@ from aiohttp import web
 
 from ray_ckpt.control.asgi import ASGIApp, ControlASGIMiddleware
 from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.protocol import Participant
 from ray_ckpt.control.receipt_ops import held_results
 from ray_ckpt.control.routes import maybe_install_control_routes
 from ray_ckpt.control.wire import CONTROL_OPERATIONS
@@ -56,6 +57,7 @@ from ray_ckpt.hosting.spec import (
     current_node_id,
     load_server,
 )
+from ray_ckpt.workers.plane import WorkerPlane
 
 log = logging.getLogger(__name__)
 
@@ -72,42 +74,56 @@ class ParticipantHost(NamedControlOps):
         self.spec = spec
         self.settings = spec.checkpoint_settings()
         self._drain_s = drain_s
-        self.server: GymServer = load_server(spec)
+        self._sock = bind_socket(spec.host, spec.port)
+        self.host, self.port = socket_address(self._sock)
+        # With several workers the server runs in worker processes that
+        # inherit the socket; this actor keeps the one control plane.
+        self.plane: WorkerPlane | None = None
+        self.server: GymServer | None = None
+        participant: Participant
+        if spec.workers > 1:
+            self.plane = WorkerPlane(spec, self._sock)
+            participant = self.plane.participant
+        else:
+            self.server = load_server(spec)
+            participant = self.server.participant
         # With checkpointing off there is no controller and no route: the
         # server behaves exactly as it would without ray-ckpt.
         self.controller: ParticipantController | None = None
-        app: web.Application | ASGIApp = self.server.app()
+        app: web.Application | ASGIApp | None = None if self.server is None else self.server.app()
         if self.settings.enabled:
             self.controller = ParticipantController(
-                self.server.participant, instance=spec.name, settings=self.settings
+                participant, instance=spec.name, settings=self.settings
             )
             # Inside the Ray actor: its calls, writes and lease expiries as Ray metrics.
             self.metrics: HostMetrics | None = HostMetrics(spec.kind)
             self.controller.observer = self.metrics
-            self.server.attach(self.controller)
+            if self.server is not None:
+                self.server.attach(self.controller)
             if isinstance(app, web.Application):
                 maybe_install_control_routes(app, self.controller, self.settings)
-            else:
+            elif app is not None:
                 app = ControlASGIMiddleware.from_settings(app, self.controller, self.settings)
         else:
             self.metrics = None
         self._reporting: asyncio.Task[None] | None = None
         self._app = app
-        self._sock = bind_socket(spec.host, spec.port)
-        self.host, self.port = socket_address(self._sock)
         self._serving: Serving | None = None
         self._stopped = False
         # Ray runs a sync __init__ of an async actor on the actor's loop.
         self._started = asyncio.get_running_loop().create_task(self._start())
 
     async def _start(self) -> None:
-        self._serving = await serve_app(self._app, self._sock, drain_s=self._drain_s)
+        if self._app is not None:
+            self._serving = await serve_app(self._app, self._sock, drain_s=self._drain_s)
         if self.controller is not None:
             self.controller.start()
             if held_results(self.controller) is not None and self.metrics is not None:
                 self._reporting = asyncio.get_running_loop().create_task(
                     _report_held(self.controller, self.metrics)
                 )
+        if self.plane is not None:
+            await self.plane.start(self.controller)
         log.info("%s serving on %s", self.spec.actor_name, self.url)
 
 
@@ -140,11 +156,16 @@ class ParticipantHost(NamedControlOps):
             "node_id": current_node_id(),
             "pid": os.getpid(),
             "checkpointing": self.controller is not None,
+            "workers": self.spec.workers,
+            "spreading": self.spec.spreading,
         }
 
     async def status(self) -> dict[str, Any]:
         await self._ready()
-        return self._controller().status()
+        status = self._controller().status()
+        if self.plane is not None:
+            status["workers"] = self.plane.summary()
+        return status
 
     async def call(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
         """One control operation by name (the same as the named methods)."""
@@ -166,10 +187,13 @@ class ParticipantHost(NamedControlOps):
             log.warning("%s never started serving", self.spec.actor_name, exc_info=True)
         if self._serving is not None:
             await self._serving.stop()
+        if self.plane is not None:
+            await self.plane.stop()
         self._sock.close()
         if self.controller is not None:
             await self.controller.aclose()
-        await self.server.aclose()
+        if self.server is not None:
+            await self.server.aclose()
         return {"stopped": True, "idempotent": False}
 
 

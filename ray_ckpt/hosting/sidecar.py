@@ -44,6 +44,7 @@ from ray_ckpt.errors import CheckpointError, NotFound, ParticipantUnavailable
 from ray_ckpt.hosting.metrics import HostMetrics
 from ray_ckpt.hosting.spec import NamedControlOps, ServerSpec, current_node_id
 from ray_ckpt.settings import CheckpointSettings
+from ray_ckpt.workers.detect import refuse_unmanaged_workers
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,8 @@ class SidecarHost(NamedControlOps):
     async def ready(self) -> dict[str, Any]:
         """Where the server listens; also proves it answers control calls."""
         self._check_running()
-        await self.client.status()
+        status = await self.client.status()
+        await refuse_unmanaged_workers(self.client, status, what=self.spec.actor_name)
         parts = urlsplit(self.url)
         return {
             "kind": self.spec.kind,

@@ -22,6 +22,10 @@ from aiohttp import web
 from ray_ckpt.control.asgi import ASGIApp
 from ray_ckpt.control.protocol import KINDS, Participant
 from ray_ckpt.settings import CheckpointSettings
+from ray_ckpt.workers.routing import SPREADING
+
+# Worker processes per host: a bound, not a tuning (each is a full server copy).
+MAX_WORKERS = 64
 
 if TYPE_CHECKING:
     from ray_ckpt.control.controller import ParticipantController
@@ -96,6 +100,12 @@ class ServerSpec(msgspec.Struct, frozen=True, kw_only=True):
     port: int = 0
     settings: dict[str, Any] = msgspec.field(default_factory=dict)  # the checkpoint block
     url: str | None = None  # sidecar: the base URL of a server running in its own process
+    # Worker processes under this one host (`ray_ckpt.workers`): how many,
+    # how requests spread over them ("shared" or "rollout"), and whether the
+    # server holds no per-episode state (then it never blocks a checkpoint).
+    workers: int = 1
+    spreading: str = "shared"
+    stateless: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -104,6 +114,12 @@ class ServerSpec(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"server name {self.name!r} must be non-empty and contain no '/'")
         if (self.url is not None) == bool(self.factory):
             raise ValueError("a spec names exactly one of a factory ('module:function') or a url")
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise ValueError(f"workers must be in [1, {MAX_WORKERS}], got {self.workers}")
+        if self.spreading not in SPREADING:
+            raise ValueError(f"spreading must be one of {SPREADING}, got {self.spreading!r}")
+        if self.url is not None and self.workers > 1:
+            raise ValueError("a sidecar server runs its own processes: workers must be 1")
 
     def __repr__(self) -> str:
         # The settings hold the control token: never print them.
