@@ -18,7 +18,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from ray_ckpt.control.background import Pending
-from ray_ckpt.control.commit import Write, captured_bytes
+from ray_ckpt.control.commit import Write
 from ray_ckpt.control.phase_machine import Event, Phase
 from ray_ckpt.control.restore import restore_reply
 from ray_ckpt.control.timing import within
@@ -97,7 +97,7 @@ async def _commit_async(
             # leaves out cannot change what is written.
             await within(c.clock, req, "release unscoped", c.participant.delete_restored(scope))
         write.released = write.parked = True
-        size = captured_bytes(write.records)
+        size = write.captured_bytes
         reply = {
             "phase": Phase.COMMITTED.value,
             "pending": True,
