@@ -93,8 +93,8 @@ async def _commit_async(
             raise CheckpointConflict(f"the write of {busy} still runs; prepare waits for it")
         write = await c._commits.export(req, scope, capture=True)
         if scope is not None:
-            # The capture holds the bytes: freeing restored state the scope
-            # leaves out cannot change what is written.
+            # The capture holds its own copy: freeing restored state the
+            # scope leaves out cannot change what is written.
             await within(c.clock, req, "release unscoped", c.participant.delete_restored(scope))
         write.released = write.parked = True
         size = write.captured_bytes
