@@ -14,7 +14,11 @@ interleaved over `--reps` repetitions (medians):
 - `served_ratio`: data requests served from the call until durable, over
   those served in a window as long just before, without a checkpoint;
 - `rss_growth_mb`: the hosts' peak RSS growth over that window, summed
-  (async: the captured copy; `captured_mb` says how big it is).
+  (the write's buffers, and async: the captured copy);
+- `capture_rss_mb`: async: the same growth from the call until each host
+  resumes (the capture; `captured_mb` says how big the copy is, and
+  `capture_rss_over_captured` compares them at the larger size); sync: the
+  whole window's.
 
 `async_over_sync_pause` and `async_durable_over_sync_commit` compare the
 modes at 350 KB; `async_pause_350_over_35` says how the async pause grows
@@ -59,6 +63,7 @@ class LoadedParticipant:
         self.open.set()
         self.closed_at: float | None = None
         self.closures: list[tuple[float, float]] = []
+        self.on_open: Callable[[], None] = lambda: None
 
     def bind(self, notify: Callable[[], None]) -> None:
         pass
@@ -71,6 +76,7 @@ class LoadedParticipant:
         if self.closed_at is not None:
             self.closures.append((self.closed_at, time.time()))
             self.closed_at = None
+        self.on_open()
         self.open.set()
 
     def ready(self) -> bool:
@@ -122,6 +128,8 @@ class PauseHost(NamedControlOps):
         self.served: list[float] = []
         self._load: asyncio.Task[None] | None = None
         self._rss: Any = None
+        self._at_resume: float | None = None
+        self.part.on_open = self._mark_resume
 
     async def call(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self.ctrl.handle(op, body)
@@ -149,7 +157,19 @@ class PauseHost(NamedControlOps):
         from benchmarks.storage_data import PeakRss
 
         self._rss = PeakRss()
+        self._at_resume = None
         self._rss.__enter__()
+
+    def _mark_resume(self) -> None:
+        """The peak RSS growth up to the resume: the capture's (the
+        asynchronous write starts after it)."""
+        rss = self._rss
+        if rss is not None and self._at_resume is None:
+            rss.peak = max(rss.peak, rss._proc.memory_info().rss)
+            self._at_resume = float(rss.growth_mb)
+
+    async def rss_at_resume(self) -> float:
+        return self._at_resume if self._at_resume is not None else 0.0
 
     async def rss_stop(self) -> float:
         self._rss.__exit__(None, None, None)
@@ -172,11 +192,14 @@ def one(coord: Any, hosts: list[Any], mode: str, where: str) -> dict[str, float]
     if mode == "async":
         pending = gym.checkpoint(where, commit_s=600.0, durability="async")
         captured = pending.result.total_bytes
+        capture_growth = sum(ray.get([h.rss_at_resume.remote() for h in hosts]))
         pending.durable()
     else:
         gym.checkpoint(where, commit_s=600.0)
     end = time.time()
     growth = sum(ray.get([h.rss_stop.remote() for h in hosts]))
+    if mode != "async":
+        capture_growth = growth
     window = end - start
     during = sum(ray.get([h.served_between.remote(start, end) for h in hosts]))
     time.sleep(min(window, 5.0) * 0.2)
@@ -187,6 +210,7 @@ def one(coord: Any, hosts: list[Any], mode: str, where: str) -> dict[str, float]
         "durable_s": window,
         "served_ratio": during / before if before else 0.0,
         "rss_growth_mb": growth,
+        "capture_rss_mb": capture_growth,
         "captured_mb": captured / 1e6,
     }
 
@@ -255,7 +279,7 @@ def run(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
     )
     captured = by[("async", big)]["captured_mb"]
     out["capture_rss_over_captured"] = (
-        by[("async", big)]["rss_growth_mb"] / captured if captured else None
+        by[("async", big)]["capture_rss_mb"] / captured if captured else None
     )
     return out
 
@@ -292,14 +316,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     stream = sys.stderr if args.json else sys.stdout
     print(
         f"{'mode':>5} {'KB':>4} {'sessions':>8} {'pause s':>8} {'durable s':>9} "
-        f"{'served':>7} {'RSS MB':>7} {'captured MB':>11}",
+        f"{'served':>7} {'RSS MB':>7} {'capture RSS':>11} {'captured MB':>11}",
         file=stream,
     )
     for r in sorted(out["runs"], key=lambda r: (r["kb"], r["mode"] != "sync")):
         print(
             f"{r['mode']:>5} {r['kb']:>4} {r['sessions']:>8} {r['pause_s']:>8.3f} "
             f"{r['durable_s']:>9.3f} {r['served_ratio']:>7.2f} {r['rss_growth_mb']:>7.1f} "
-            f"{r['captured_mb']:>11.1f}",
+            f"{r['capture_rss_mb']:>11.1f} {r['captured_mb']:>11.1f}",
             file=stream,
         )
     ratio = out["capture_rss_over_captured"]

@@ -35,13 +35,16 @@ freed pages.
 
 Where commit's time goes here (text, 1000 x 350 KB, on disk, a quiet
 moment; seconds): the raw write is 0.20-0.26 (about 1.5 GB/s with fsync: the
-VM's disk is cached by its host), commit 0.64-0.77, of which CPU is about
-0.5 user (sha256 of the file 0.21, sha256 of each frame for the incremental
-index 0.21, encode 0.10-0.15) and 0.14-0.4 system, on 2 cores.  With a disk
-this fast the CPU alone keeps `commit_ratio` near 3; without the frame
-digests commit took 0.44-0.68.  Tried in `pipeline.py` and not faster: one
-thread hashing and writing (median 0.84), a 1 ms GIL switch interval
-(0.95), 16 MiB chunks (slower).  In a run where the raw write went at
+VM's disk is cached by its host), commit 0.42-0.57.  The records file is
+hashed once (its digest is made of the frames' digests, `records_format`),
+on the encoding thread: about 0.3 user CPU (sha256 of each frame 0.21, encode
+0.10-0.15) and 0.1-0.2 system, on 2 cores.  Before, with a whole-file sha256
+as well and the hashing on threads of their own, commit took 0.55-0.88 (0.55
+user); with a disk this fast the CPU alone keeps `commit_ratio` near 2.
+Tried in `pipeline.py` and not faster: one thread hashing and writing
+(median 0.84), a 1 ms GIL switch interval (0.95), 16 MiB chunks (slower),
+the frames hashed on a thread (0.54 against 0.42 inline) or on two (0.80
+against 0.64, a loaded moment).  In a run where the raw write went at
 240 MB/s (400 x 350 KB: 0.60 s) commit overlapped it: text `commit_ratio`
 1.25.
 

@@ -29,6 +29,7 @@ from ray_ckpt.storage import Blobs
 from ray_ckpt.storage.pipeline import CHUNK
 from ray_ckpt.storage.record import Record
 from ray_ckpt.storage.records_format import FRAME, MAGIC, StateEncoder, decode_state
+from ray_ckpt.storage.records_io import records_digest
 
 
 def encode_chunks(records: list[Record]) -> list[bytes]:
@@ -44,10 +45,8 @@ def encode_chunks(records: list[Record]) -> list[bytes]:
 
 
 def digest_of(chunks: list[bytes]) -> str:
-    h = hashlib.sha256()
-    for c in chunks:
-        h.update(c)
-    return h.hexdigest()
+    """The digest our manifest gives these bytes (made of their frames' digests)."""
+    return records_digest(chunks)
 
 
 class RawStore(Protocol):

@@ -1,8 +1,9 @@
 """The asynchronous commit's write: captured under the pause, stored after it.
 
-A commit with `"durability": "async"` captures the records (encoded to bytes:
-the copy a later mutation of live state cannot reach), answers `pending`,
-and leaves the store write running here, outside the checkpoint's write
+A commit with `"durability": "async"` captures the records (a true copy a
+later mutation of live state cannot reach, `capture`), answers `pending`,
+and leaves the store write (encode, hash, write: pipelined as in the
+synchronous commit) running here, outside the checkpoint's write
 registry, so the resume that reopens admission does not stop it.  At most
 one runs per participant: the next prepare waits for it.  When it ends, its
 outcome (the manifest, or the typed error) is kept for the last few IDs, so

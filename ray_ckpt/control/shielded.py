@@ -18,7 +18,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from ray_ckpt.control.background import Pending
-from ray_ckpt.control.commit import Write, captured_bytes, exported_keys
+from ray_ckpt.control.commit import Write, exported_keys
 from ray_ckpt.control.phase_machine import Event, Phase
 from ray_ckpt.control.restore import restore_reply
 from ray_ckpt.control.timing import within
@@ -93,11 +93,11 @@ async def _commit_async(
             raise CheckpointConflict(f"the write of {busy} still runs; prepare waits for it")
         write = await c._commits.export(req, scope, capture=True)
         if scope is not None:
-            # The capture holds the bytes: freeing restored state the scope
-            # leaves out cannot change what is written.
+            # The capture holds its own copy: freeing restored state the
+            # scope leaves out cannot change what is written.
             await within(c.clock, req, "release unscoped", c.participant.delete_restored(scope))
         write.released = write.parked = True
-        size = captured_bytes(write.records)
+        size = write.captured_bytes
         reply = {
             "phase": Phase.COMMITTED.value,
             "pending": True,

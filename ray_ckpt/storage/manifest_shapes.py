@@ -20,6 +20,7 @@ import msgspec
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.storage.blobs import BlobMissing, Blobs, blob_name
 from ray_ckpt.storage.participant_manifest import (
+    DIGEST_ALGOS,
     GYM,
     RECORDS_RE,
     SCHEMA_VERSION,
@@ -85,7 +86,7 @@ def summarize_manifest(
         raise InvalidCheckpointState(f"bad record_count {count!r} in {path}")
     ours = "digest_algo" in m
     digest = m.get("digest") if ours else m.get("records_sha256")
-    if ours and m.get("digest_algo") != "sha256":
+    if ours and m.get("digest_algo") not in DIGEST_ALGOS:
         raise InvalidCheckpointState(f"unknown digest {m.get('digest_algo')!r} in {path}")
     if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
         raise InvalidCheckpointState(f"bad records digest {digest!r} in {path}")

@@ -18,10 +18,14 @@ from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.identity import ID_PATTERN
 from ray_ckpt.storage.blobs import BlobMissing, Blobs, blob_name
 from ray_ckpt.storage.locations import open_location
-from ray_ckpt.storage.records_format import FORMAT
+from ray_ckpt.storage.records_format import FORMAT, FRAMES_DIGEST
 
 SCHEMA_VERSION = 1
-DIGEST_ALGO = "sha256"
+# The records file's digest: over its frames' digests (`records_format`).
+# Manifests written before it say "sha256" (the whole file's); still read.
+DIGEST_ALGO = FRAMES_DIGEST
+WHOLE_FILE_DIGEST = "sha256"
+DIGEST_ALGOS = (DIGEST_ALGO, WHOLE_FILE_DIGEST)
 GYM = "gym"
 MANIFEST_NAME = "manifest.json"
 _NAME_RE = re.compile(ID_PATTERN)
@@ -137,7 +141,7 @@ def decode_manifest(data: bytes, where: str) -> ParticipantManifest:
         raise InvalidCheckpointState(f"corrupt manifest {where}: {exc}") from exc
     if manifest.format != FORMAT:
         raise InvalidCheckpointState(f"unknown records format {manifest.format!r} in {where}")
-    if manifest.digest_algo != DIGEST_ALGO:
+    if manifest.digest_algo not in DIGEST_ALGOS:
         raise InvalidCheckpointState(f"unknown digest {manifest.digest_algo!r} in {where}")
     if not RECORDS_RE.fullmatch(manifest.records_file):
         raise InvalidCheckpointState(f"bad records file name {manifest.records_file!r} in {where}")

@@ -21,7 +21,9 @@ How the disk steps map onto an object store (the `Blobs` backends keep them):
   older digest-named files are still read.
 
 Reads verify the digest, size and count over the whole object in one
-streaming pass and decode only the records the caller keeps.
+streaming pass and decode only the records the caller keeps.  The digest is
+made of the frames' own digests (`records_format`), so a commit hashes its
+bytes once; manifests from before it ("sha256") are verified as they were.
 
 Incremental (`incremental`, `referenced`): given the previous commit, the
 records object holds only the changed records and the manifest references
@@ -58,10 +60,15 @@ from ray_ckpt.storage.participant_manifest import (
     participant_dir,
     participant_key,
 )
-from ray_ckpt.storage.pipeline import HashingReader, HashingWriter
+from ray_ckpt.storage.pipeline import ChunkWriter, HashingReader
 from ray_ckpt.storage.record import Record
 from ray_ckpt.storage.records_format import FORMAT
-from ray_ckpt.storage.records_io import FrameIndex, encode_records, parse_records
+from ray_ckpt.storage.records_io import (
+    FrameIndex,
+    digest_records,
+    encode_records,
+    parse_records,
+)
 from ray_ckpt.storage.referenced import RefReader
 
 __all__ = [
@@ -103,8 +110,8 @@ def write_participant(
     participant's last commit, a sibling under the same root), only records
     that changed are written and the rest referenced (`incremental`); without
     it, or when `policy` calls for a full rewrite, every record is written.
-    `frame_index` records where each frame sits and its sha256 (one more
-    hash pass over the bytes written, on a thread of its own), which a later
+    `frame_index` lists in the manifest where each frame sits and its
+    sha256 (computed either way: they make the file's digest), which a later
     checkpoint needs to reference them; without it the next one is full.
     An identical recommit returns the existing manifest; a different commit
     into the same place raises `InvalidCheckpointState`.
@@ -144,8 +151,8 @@ def write_participant(
         with blobs.upload(
             rkey, before_publish=lambda: publishing.enter_context(stop.publishing())
         ) as up:
-            writer = HashingWriter(up.write)
-            index = FrameIndex() if frame_index else None
+            writer = ChunkWriter(up.write)
+            index = FrameIndex(thread=False)  # the frame digests make the file's digest
             try:
                 keys = encode_records(
                     writer,
@@ -157,10 +164,10 @@ def write_participant(
                 )
             finally:
                 try:
-                    digest = writer.close()
+                    writer.close()
                 finally:
-                    if index is not None:
-                        index.close()
+                    index.close()
+            digest = index.file_digest()
         manifest = ParticipantManifest(
             schema_version=SCHEMA_VERSION,
             checkpoint_id=checkpoint_id,
@@ -179,7 +186,7 @@ def write_participant(
                     index.spans, index.digests, strict=True
                 )
             ]
-            if index is not None
+            if frame_index
             else [],
             refs=[refs[k] for k in sorted(refs)],
             chain_depth=chosen.depth if chosen is not None else 0,
@@ -216,13 +223,9 @@ def _recommit(
         if not same_records(prior, list(records), stop):
             raise _conflict(blobs, pkey, prior)
         return prior
-    writer = HashingWriter(lambda _chunk: None)
-    try:
-        keys = encode_records(writer, records, stop)
-    finally:
-        digest = writer.close()
+    digest, size, keys = digest_records(records, stop, whole_file=prior.digest_algo != DIGEST_ALGO)
     stop.check()
-    same = (digest, writer.size, sorted(keys)) == (prior.digest, prior.bytes, prior.episodes)
+    same = (digest, size, sorted(keys)) == (prior.digest, prior.bytes, prior.episodes)
     if not same:
         raise _conflict(blobs, pkey, prior)
     return prior
@@ -283,16 +286,27 @@ def _read_own(
 ) -> list[Record]:
     key = f"{participant_key(manifest.kind, manifest.instance)}/{manifest.records_file}"
     name = blob_name(blobs, key)
+    # Every byte is verified either way: the magic as it is, each frame by
+    # its own sha256 (which the digest is made of); files written before
+    # the frames digest, by one hash of the whole file.
+    whole_file = manifest.digest_algo != DIGEST_ALGO
     try:
-        reader = HashingReader(blobs.stream(key))
+        reader = HashingReader(blobs.stream(key), hash=whole_file)
     except BlobMissing:
         raise InvalidCheckpointState(f"records file {name} is missing") from None
+    index = None if whole_file else FrameIndex(thread=False)
     try:
-        keys, kept, problem = parse_records(reader, select)
+        keys, kept, problem = parse_records(reader, select, index)
         if problem is not None:
             reader.drain()
     finally:
-        digest = reader.close()
+        try:
+            digest = reader.close()
+        finally:
+            if index is not None:
+                index.close()
+    if index is not None:
+        digest = index.file_digest()
     if reader.size != manifest.bytes:
         raise InvalidCheckpointState(
             f"truncated or extended records {name}: {reader.size} bytes, manifest says "

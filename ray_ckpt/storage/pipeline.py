@@ -79,6 +79,27 @@ class HashingWriter:
         return self._hash.hexdigest()
 
 
+class ChunkWriter:
+    """Hand chunks to `sink` (a file or an upload) on a thread; no file-wide
+    hash (the records file's digest is made of its frames' digests)."""
+
+    def __init__(self, sink: Callable[[Chunk], None]) -> None:
+        self.size = 0
+        self._worker = _Worker(sink, "ray-ckpt-write")
+
+    def put(self, chunk: Chunk) -> None:
+        if self._worker.error is not None:
+            raise self._worker.error
+        self.size += len(chunk)
+        self._worker.put(chunk)
+
+    def close(self) -> None:
+        """Wait for every chunk (raises the sink's error)."""
+        self._worker.close()
+        if self._worker.error is not None:
+            raise self._worker.error
+
+
 class _Prefetch:
     """Pulls chunks from an iterator on its own thread, a few ahead of the reader."""
 
@@ -127,12 +148,13 @@ class _Prefetch:
 
 
 class HashingReader:
-    """Read a stream of chunks, hashing each on a thread as it is handed out."""
+    """Read a stream of chunks, hashing each on a thread as it is handed out
+    (with `hash=False` not: the caller hashes the frames it parses)."""
 
-    def __init__(self, chunks: Iterator[bytes]) -> None:
+    def __init__(self, chunks: Iterator[bytes], *, hash: bool = True) -> None:
         self._source = _Prefetch(chunks)
         self._hash = hashlib.sha256()
-        self._worker = _Worker(self._hash.update, "ray-ckpt-hash")
+        self._worker = _Worker(self._hash.update, "ray-ckpt-hash") if hash else None
         self._ended = False
         self.size = 0
 
@@ -145,7 +167,8 @@ class HashingReader:
             if data is None:
                 self._ended = True
                 break
-            self._worker.put(data)
+            if self._worker is not None:
+                self._worker.put(data)
             self.size += len(data)
             parts.append(data)
             got += len(data)
@@ -156,7 +179,10 @@ class HashingReader:
             pass
 
     def close(self) -> str:
+        """The stream's sha256 ("" with `hash=False`)."""
         self._source.close()
+        if self._worker is None:
+            return ""
         self._worker.close()
         if self._worker.error is not None:
             raise self._worker.error

@@ -30,6 +30,7 @@ cost grows with the number of containers, not with the bytes of their leaves.
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Iterator
 from enum import Enum
 from itertools import chain, compress, repeat
@@ -75,6 +76,17 @@ def _is_plain(value: Any) -> bool:
     One pass per nesting level over all of that level's elements, with the
     type checks in C; `_first_problem` names the culprit when this says no.
     """
+    return _plain_walk(value, None)
+
+
+def plain_size(value: Any) -> int | None:
+    """The bytes of `value`'s containers (`sys.getsizeof`) if it holds only
+    allowed types within the depth limit, else None (`check_json` says why)."""
+    sizes: list[int] = []
+    return sum(sizes) if _plain_walk(value, sizes) else None
+
+
+def _plain_walk(value: Any, sizes: list[int] | None) -> bool:
     t = type(value)
     if t is list:
         lists: list[Any] = [value]
@@ -88,6 +100,8 @@ def _is_plain(value: Any) -> bool:
         depth += 1
         if depth > MAX_STATE_DEPTH:
             return False
+        if sizes is not None:
+            sizes.append(sum(map(sys.getsizeof, chain(lists, dicts))))
         if dicts:
             if not set(map(type, chain.from_iterable(dicts))) <= _STR:
                 return False

@@ -18,6 +18,16 @@ Digest, by measurement (64 MiB in one update): sha256 1623 MB/s (SHA-NI),
 sha1 1711, blake2b 800, md5 669, sha512 727, blake2s 434, sha3_256 309 MB/s.
 sha256 is as fast as the broken sha1 here, so it is the digest.
 
+The records file's digest (`digest_algo` "sha256-frames", `frames_digest`)
+is the sha256 of the magic followed by each frame's own 32-byte sha256, in
+file order: a hash list.  Each frame's digest is needed anyway (incremental
+checkpoints reference frames by it), so the file is hashed once, not twice;
+before, "sha256" hashed the whole file as well (0.21 s of CPU more per
+360 MB here).  Frames delimit themselves and the magic is compared as it is,
+so an equal digest and size still mean an equal file: a reader hashes every
+frame it parses and compares the digest made of them.  Files written with
+"sha256" are still read, and verified with a whole-file hash.
+
 End to end (`python benchmarks/storage.py --sessions 1000 --kb 350 --json`,
 medians of 3 interleaved runs on a shared 2-core VM whose disk timings vary
 2-3x between runs; seconds):
@@ -52,12 +62,15 @@ states it does not keep while still hashing every byte.
 
 from __future__ import annotations
 
+import hashlib
 import struct
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
 
 FORMAT = "msgpack-frames/1"
+FRAMES_DIGEST = "sha256-frames"
 MAGIC = b"RCKREC1\n"
 FRAME = struct.Struct("<HQ")
 MAX_KEY_BYTES = 0xFFFF
@@ -163,3 +176,11 @@ _DECODER = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
 def decode_state(data: bytes | memoryview) -> Any:
     """Decode one state's MessagePack (raises msgspec.DecodeError / ValueError)."""
     return _DECODER.decode(data)
+
+
+def frames_digest(frame_digests: Iterable[bytes]) -> str:
+    """The records file's digest from its frames' sha256 digests, in file order."""
+    h = hashlib.sha256(MAGIC)
+    for d in frame_digests:
+        h.update(d)
+    return h.hexdigest()

@@ -1,11 +1,13 @@
 """Encode records into a hashing pipeline, and walk them back out of one.
 
-Encoding runs on the caller's thread while `HashingWriter` hashes and writes
-(or uploads) the previous chunk; parsing runs while `HashingReader` fetches
-and hashes the next.  Neither decides anything about the manifest: the
+Encoding runs on the caller's thread while a `ChunkWriter` writes (or
+uploads) the previous chunk and `FrameIndex` hashes its frames; parsing runs
+while `HashingReader` fetches the next chunk and `FrameIndex` hashes the
+frames parsed (a file written before the frames digest is hashed whole by
+the reader instead).  Neither decides anything about the manifest: the
 caller compares digest, size and count once the whole stream has passed.
-`FrameIndex` notes where each written frame sits and hashes it on its own
-thread, so a later incremental checkpoint can reference it.
+`FrameIndex` also notes where each written frame sits, so a later
+incremental checkpoint can reference it.
 """
 
 from __future__ import annotations
@@ -14,58 +16,90 @@ import hashlib
 import queue
 import threading
 from collections.abc import Callable, Container, Iterable, Mapping
+from typing import Protocol
 
 import msgspec
 
 from ray_ckpt.errors import CheckpointError, InvalidCheckpointState
 from ray_ckpt.identity import check_record_key
 from ray_ckpt.storage.durable import WriteStop
-from ray_ckpt.storage.pipeline import CHUNK, HashingReader, HashingWriter
+from ray_ckpt.storage.pipeline import CHUNK, ChunkWriter, HashingReader, HashingWriter
 from ray_ckpt.storage.record import Record
-from ray_ckpt.storage.records_format import FRAME, MAGIC, StateEncoder, decode_state
+from ray_ckpt.storage.records_format import (
+    FRAME,
+    MAGIC,
+    StateEncoder,
+    decode_state,
+    frames_digest,
+)
 
 
 class FrameIndex:
-    """Where each written frame sits in the file, and the sha256 of its bytes.
+    """Where each written frame sits in the file, and the sha256 of its bytes;
+    from those, the file's digest (`records_format.frames_digest`).
 
-    The frame digests are computed on a thread of their own, one chunk at a
-    time (a frame never spans chunks: a chunk is handed on only between
-    frames), so the encoding thread pays only for the bookkeeping."""
+    A frame never spans the buffers handed in (a chunk is handed on only
+    between frames).  With `thread` the digests are computed on a thread of
+    their own; without, at `put`, on the caller's thread.  Inline is faster
+    here: each frame's hash is a call that releases the GIL and has to take
+    it back, and a hashing thread waits for it while the caller encodes or
+    decodes (1,000 x 350 KB text, medians of 9: a commit took 0.64 s wall
+    and 0.34 s of user CPU hashing inline, 0.77 s and 0.46 s on a thread)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, thread: bool = True) -> None:
         self.spans: list[tuple[str, int, int, str | None]] = []  # key, offset, length, version
         self.digests: list[str] = []
+        self._raw: list[bytes] = []
+        self.error: BaseException | None = None
         self._queue: queue.Queue[tuple[bytes | bytearray, list[tuple[int, int]]] | None] = (
             queue.Queue(maxsize=4)
         )
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="ray-ckpt-frames", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if thread:
+            self._thread = threading.Thread(target=self._run, name="ray-ckpt-frames", daemon=True)
+            self._thread.start()
+
+    def _hash(self, buf: bytes | bytearray, spans: list[tuple[int, int]]) -> None:
+        view = memoryview(buf)
+        raw = [hashlib.sha256(view[a:b]).digest() for a, b in spans]
+        self._raw.extend(raw)
+        self.digests.extend(d.hex() for d in raw)
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             if self.error is not None:
                 continue
-            buf, spans = item
             try:
-                view = memoryview(buf)
-                self.digests.extend(hashlib.sha256(view[a:b]).hexdigest() for a, b in spans)
+                self._hash(*item)
             except BaseException as exc:
                 self.error = exc
 
     def put(self, buf: bytes | bytearray, spans: list[tuple[int, int]]) -> None:
-        if spans:
+        if not spans:
+            return
+        if self._thread is None:
+            self._hash(buf, spans)
+        else:
             self._queue.put((buf, spans))
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
         if self.error is not None:
             raise self.error
 
+    def file_digest(self) -> str:
+        """The digest of the frames handed in so far (after `close`)."""
+        return frames_digest(self._raw)
+
+
+class ChunkSink(Protocol):
+    def put(self, chunk: bytes | bytearray) -> None: ...
+
 
 def encode_records(
-    writer: HashingWriter,
+    writer: ChunkSink,
     records: Iterable[Record],
     stop: WriteStop,
     *,
@@ -117,10 +151,70 @@ def encode_records(
     return keys
 
 
+def digest_records(
+    records: Iterable[Record], stop: WriteStop, *, whole_file: bool
+) -> tuple[str, int, list[str]]:
+    """(digest, size, keys) of the records file `records` make, writing nothing;
+    `whole_file`: the digest of manifests written before the frames digest."""
+    if whole_file:
+        hashing = HashingWriter(lambda _chunk: None)
+        try:
+            keys = encode_records(hashing, records, stop)
+        finally:
+            digest = hashing.close()
+        return digest, hashing.size, keys
+    writer = ChunkWriter(lambda _chunk: None)
+    index = FrameIndex(thread=False)
+    try:
+        keys = encode_records(writer, records, stop, index=index)
+    finally:
+        try:
+            writer.close()
+        finally:
+            index.close()
+    return index.file_digest(), writer.size, keys
+
+
 def parse_records(
-    reader: HashingReader, select: Callable[[str], bool] | None
+    reader: HashingReader,
+    select: Callable[[str], bool] | None,
+    index: FrameIndex | None = None,
 ) -> tuple[list[str], list[Record], str | None]:
-    """Walk the frames; returns (keys, kept records, first problem or None)."""
+    """Walk the frames; returns (keys, kept records, first problem or None).
+
+    `index` is handed every whole frame read (to hash) as it is parsed."""
+    feed = _Feed(index)
+    try:
+        return _parse(reader, select, feed)
+    finally:
+        feed.flush()
+
+
+class _Feed:
+    """Batches the frames of one read buffer for a `FrameIndex`."""
+
+    def __init__(self, index: FrameIndex | None) -> None:
+        self._index = index
+        self._buf: bytes = b""
+        self._spans: list[tuple[int, int]] = []
+
+    def frame(self, buf: bytes, start: int, end: int) -> None:
+        if self._index is None:
+            return
+        if buf is not self._buf:
+            self.flush()
+            self._buf = buf
+        self._spans.append((start, end))
+
+    def flush(self) -> None:
+        if self._index is not None and self._spans:
+            self._index.put(self._buf, self._spans)
+            self._spans = []
+
+
+def _parse(
+    reader: HashingReader, select: Callable[[str], bool] | None, feed: _Feed
+) -> tuple[list[str], list[Record], str | None]:
     keys: list[str] = []
     kept: list[Record] = []
     buf = reader.read(len(MAGIC))
@@ -142,6 +236,7 @@ def parse_records(
             pos = 0
             if len(buf) < need:
                 return keys, kept, f"truncated record after {len(keys)} records"
+        feed.frame(buf, pos, pos + need)
         view = memoryview(buf)
         start = pos + FRAME.size
         try:
@@ -157,3 +252,15 @@ def parse_records(
                 return keys, kept, f"record {key}: {exc}"
             kept.append(Record(key, state))
         pos += need
+
+
+def records_digest(chunks: Iterable[bytes]) -> str:
+    """The "sha256-frames" digest of a records file's bytes (tools and tests)."""
+    reader = HashingReader(iter(chunks), hash=False)
+    index = FrameIndex()
+    try:
+        parse_records(reader, lambda _k: False, index)
+    finally:
+        reader.close()
+        index.close()
+    return index.file_digest()

@@ -75,7 +75,8 @@ async def test_pending_then_resume_while_writing_then_the_final_manifest(
     assert reply["phase"] == "committed"
     assert reply["pending"] is True
     assert reply["episode_ids"] == ["r1"]
-    assert reply["captured_bytes"] > 1000
+    # The copy's own containers: the 1,000-character leaf is shared, not copied.
+    assert 0 < reply["captured_bytes"] < 1000
     st = c.status()
     assert st["writes_in_flight"] == 1
     assert st["background_write"] == {
@@ -187,5 +188,65 @@ async def test_bad_async_requests_change_nothing(tmp_path: pathlib.Path) -> None
     assert c.status()["writes_in_flight"] == 0
     with pytest.raises(CheckpointConflict):
         await c.handle("commit", body("c9", checkpoint_dir=ck, durability="async"))
+    await c.handle("resume", body("c1"))
+    await c.aclose()
+
+
+async def test_no_change_to_nested_live_state_after_the_capture_reaches_the_file(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The capture copies containers and shares leaves: every way of changing
+    a nested container afterwards (in place, through shared references, key
+    order) must leave the written bytes as they were at the capture."""
+    from ray_ckpt.storage.records_format import StateEncoder
+
+    c, p, store = make()
+    shared = {"deep": [1, {"x": "y"}]}
+    state: dict[str, Any] = {
+        "turns": [{"role": "tool", "out": "a" * 500, "meta": {"tags": ["t1", "t2"]}}],
+        "grid": [[1.5, 2.5], [float("inf"), -0.0]],
+        "blob": b"\x00\x01",
+        "twice": [shared, shared],
+        "order": {"b": 1, "a": 2},
+    }
+    expected = StateEncoder().encode_state(state)
+    p.start("r1", at_boundary=True, state=state)
+    await c.handle("prepare", body("c1"))
+    ck = str(tmp_path / "ck")
+    await c.handle("commit", body("c1", checkpoint_dir=ck, durability="async"))
+    await c.handle("resume", body("c1"))
+    # Mutate every level of the live state while the write is held.
+    state["turns"][0]["meta"]["tags"].append("t3")
+    state["turns"][0]["out"] = "changed"
+    state["turns"].append({"role": "new"})
+    state["grid"][1][0] = 0.0
+    state["grid"].reverse()
+    state["blob"] = b"changed"
+    shared["deep"][1]["x"] = "z"
+    shared["deep"].append(3)
+    del state["order"]["b"]
+    state["order"]["b"] = 1  # same keys and values, other order
+    store.gate.set()
+    final = await c.handle("commit", body("c1", checkpoint_dir=ck, durability="async"))
+    assert final["manifest"]["record_count"] == 1
+    frame = (tmp_path / "ck").rglob("records-*.msgpack")
+    data = next(frame).read_bytes()
+    assert data.endswith(expected)  # the very bytes of the state at the capture
+    await c.aclose()
+
+
+async def test_a_state_the_capture_refuses_fails_the_commit_and_changes_nothing(
+    tmp_path: pathlib.Path,
+) -> None:
+    c, p, store = make()
+    p.start("r1", at_boundary=True, state={"turns": [{"ok": 1}, {"bad": (1, 2)}]})
+    await c.handle("prepare", body("c1"))
+    ck = tmp_path / "ck"
+    with pytest.raises(InvalidCheckpointState, match=r"state\.turns\[1\]\.bad is a tuple"):
+        await c.handle("commit", body("c1", checkpoint_dir=str(ck), durability="async"))
+    assert c.status()["phase"] == "prepared"
+    assert c.status()["writes_in_flight"] == 0
+    assert not store.started.is_set()
+    assert not ck.exists()
     await c.handle("resume", body("c1"))
     await c.aclose()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-import re
 import pathlib
+import re
 from typing import Any
 
 import msgspec
@@ -62,7 +62,16 @@ def test_round_trip_keeps_order_and_manifest_describes_the_file(tmp_path: pathli
     # Named by a fresh token (fixed before a multipart upload starts); the
     # manifest keeps the digest.
     assert re.fullmatch(r"records-[0-9a-f]{32}\.msgpack", m.records_file)
-    assert hashlib.sha256(path.read_bytes()).hexdigest() == m.digest
+    # The digest is made of the frames' own sha256 digests, after the magic.
+    data = path.read_bytes()
+    assert m.digest_algo == "sha256-frames"
+    assert [f.digest for f in m.frames] == [
+        hashlib.sha256(data[f.offset : f.offset + f.length]).hexdigest() for f in m.frames
+    ]
+    assert data[: len(MAGIC)] == MAGIC
+    assert sum(f.length for f in m.frames) == len(data) - len(MAGIC)
+    listed = b"".join(bytes.fromhex(f.digest) for f in m.frames)
+    assert hashlib.sha256(MAGIC + listed).hexdigest() == m.digest
     assert path.stat().st_size == m.bytes
     assert m.episodes == sorted(r.key for r in recs)
     assert m.record_count == 5
