@@ -111,10 +111,11 @@ async def _wait_for_mixed_work(fleet: Any, rollouts: Rollouts, timeout_s: float)
 
 def lost_replies_wanted(opts: DemoOptions) -> int:
     """How many replies the driver loses: `--lose-replies`, at most a quarter
-    of the rollouts (at least one), so most are still in flight at the checkpoint."""
+    of the rollouts (none below four: rollouts of one length finish together,
+    so waiting for one to finish left nothing in flight at the checkpoint)."""
     if not opts.receipts:
         return 0
-    return min(opts.lose_replies, max(opts.rollouts // 4, 1))
+    return min(opts.lose_replies, opts.rollouts // 4)
 
 
 async def _wait_for_lost(rollouts: Rollouts, n: int, timeout_s: float) -> None:

@@ -84,3 +84,19 @@ def test_results_recovered_by_receipt_are_counted_and_a_missing_one_fails(
     code, summary = verdict(r, capsys)
     assert code == 1
     assert "a lost reply's result was not recovered by receipt" in summary["problems"]  # type: ignore[operator]
+
+
+def test_replies_are_lost_only_where_most_rollouts_stay_in_flight() -> None:
+    """A quarter of the rollouts at most, none below four (with 3 rollouts of one
+    length the demo waited for a finish and then had nothing in flight)."""
+    from types import SimpleNamespace
+    from typing import Any
+
+    from coordination.demo.run import lost_replies_wanted
+
+    def opts(rollouts: int, receipts: bool = True) -> Any:
+        return SimpleNamespace(rollouts=rollouts, receipts=receipts, lose_replies=2)
+
+    assert lost_replies_wanted(opts(3)) == 0
+    assert lost_replies_wanted(opts(8)) == 2
+    assert lost_replies_wanted(opts(8, receipts=False)) == 0
