@@ -81,7 +81,7 @@ def status(address: str, namespace: str, as_json: bool) -> None:
     )
     table = Table(title=title)
     table.add_column("participant", no_wrap=True)
-    for col in ("kind", "phase", "checkpoint", "lease left", "live", "writes", "held", "blockers"):
+    for col in ("kind", "phase", "checkpoint", "lease left", "live", "writes", "blockers"):
         table.add_column(col)
     now = st.now if st.now is not None else time.time()
     for p in st.participants:
@@ -94,7 +94,6 @@ def status(address: str, namespace: str, as_json: bool) -> None:
             lease_left(p.lease_expires_at, now),
             "-" if p.live_executions is None else str(p.live_executions),
             "-" if p.writes_in_flight is None else str(p.writes_in_flight),
-            "-" if p.unacknowledged_results is None else str(p.unacknowledged_results),
             blockers or "-",
         )
     Console().print(table)
