@@ -62,6 +62,7 @@ class WorkerFront:
         self.spreading = spreading
         self.control_url = control_url
         self.peers: dict[int, str] = {}  # worker index -> private base URL
+        self.peers_version = -1  # the host's version of `peers` applied last
         self._session: aiohttp.ClientSession | None = None
         self.forwarded = 0  # requests this worker passed to their owner
 
@@ -74,6 +75,19 @@ class WorkerFront:
                 auto_decompress=False,
             )
         return self._session
+
+    def set_peers(self, version: int, urls: dict[int, str]) -> bool:
+        """Apply the host's peer table if it is newer than the one held.
+
+        The hello reply and the host's broadcasts race on the worker's side: a
+        broadcast read while the hello call was resuming must not be undone
+        by the older table the hello carried (a peer would then look down
+        until the next change)."""
+        if version <= self.peers_version:
+            return False
+        self.peers_version = version
+        self.peers = dict(urls)
+        return True
 
     async def aclose(self) -> None:
         if self._session is not None:

@@ -61,6 +61,7 @@ class WorkerPool:
         self.marks: dict[str, int] = {}  # the attempt fence, mirrored to new workers
         self.channels: dict[str, tuple[int, Channel]] = {}  # id -> (incarnation, channel)
         self.urls: dict[int, str] = {}  # index -> private URL
+        self.peers_version = 0  # bumped on every change of `urls`
         self.procs: dict[int, asyncio.subprocess.Process] = {}
         self._dir = tempfile.mkdtemp(prefix="rck-w-")
         self.socket_path = os.path.join(self._dir, "host.sock")
@@ -157,6 +158,7 @@ class WorkerPool:
             me.update(wid=wid, incarnation=incarnation)
             self.channels[wid] = (incarnation, channel)
             self.urls[index] = str(body["url"])
+            self.peers_version += 1
             self._hellos[index] = self._hellos.get(index, 0) + 1
             self._task(self._broadcast_peers())
             self._changed()
@@ -166,6 +168,7 @@ class WorkerPool:
                 "closed": self.table.closed,
                 "marks": dict(self.marks),
                 "urls": {str(k): v for k, v in self.urls.items()},
+                "peers_version": self.peers_version,
             }
 
         def on_message(op: str, body: dict[str, Any]) -> None:
@@ -212,14 +215,20 @@ class WorkerPool:
             if entry is not None and (incarnation is None or entry[0] == incarnation):
                 del self.channels[wid]
                 self._task(entry[1].aclose())
-            self.urls.pop(int(wid[1:]), None)
+            if self.urls.pop(int(wid[1:]), None) is not None:
+                self.peers_version += 1
             self._task(self._broadcast_peers())
             self._changed()
 
     async def _broadcast_peers(self) -> None:
-        urls = {str(k): v for k, v in self.urls.items()}
+        # The table and its version are read together: a worker keeps the
+        # newest it has seen, whatever order the hello reply and this arrive in.
+        body = {
+            "urls": {str(k): v for k, v in self.urls.items()},
+            "peers_version": self.peers_version,
+        }
         for _, channel in list(self.channels.values()):
-            await channel.send("peers", {"urls": urls})
+            await channel.send("peers", body)
 
     async def _watch_silence(self) -> None:
         while True:

@@ -159,7 +159,9 @@ async def run_worker(config: WorkerConfig) -> None:
 
     def on_message(op: str, body: dict[str, Any]) -> None:
         if op == "peers":
-            front.peers = {int(k): str(v) for k, v in body["urls"].items()}
+            front.set_peers(
+                int(body["peers_version"]), {int(k): str(v) for k, v in body["urls"].items()}
+            )
 
     shared = socket.socket(fileno=config.listen_fd)
     private = bind_socket("127.0.0.1", 0)
