@@ -136,13 +136,16 @@ async def commit(
     if publish_by is not None:
         deadline_ts = min(deadline_ts, publish_by)
     async with driver._aborting(cid):
+        # In memory only, as "prepared": recovery resumes everyone whichever
+        # phase a checkpoint was left in, so a write would only lengthen the pause.
         await driver._record(
             JournalEntry(
                 checkpoint_id=cid,
                 phase="committing",
                 op="checkpoint",
                 checkpoint_dir=checkpoint_dir,
-            )
+            ),
+            durable=False,
         )
         body: dict[str, Any] = {
             "checkpoint_id": cid,

@@ -157,6 +157,7 @@ class Coordinator:
         for role, scope in (await self.registry.register_again(self.core)).items():
             if role == "assembler":
                 self.scope_source = scope
+        await self.core.settle_journal()
         entry = await asyncio.to_thread(self.core.journal.load)
         if entry is not None:
             for key, how in entry.members.items():

@@ -60,6 +60,9 @@ class PhaseDriver:
     ) -> None:
         self.clock = clock
         self.journal: JournalStore = journal or Journal(None)
+        # The last close's journal clear, still running: the next journal
+        # write or read waits for it (`settle_journal`).
+        self._clearing: asyncio.Future[None] | None = None
         self.timeouts = timeouts or Timeouts()
         self.manifest_writer = manifest_writer
         # After the Gym manifest: the parent's LATEST (None: no pointer kept).
@@ -146,17 +149,38 @@ class PhaseDriver:
         `durable=False` changes only the state in memory: for a step after
         which recovery would do exactly what the journalled phase already
         makes it do (every phase of a checkpoint recovers by resuming
-        everyone), a write would only cost the pause a round trip or fsync."""
+        everyone), a write would only cost the pause a round trip or fsync.
+
+        Clearing (`entry` None) is not waited for: the operation is over and
+        its caller answered at once.  A coordinator that dies before the
+        clear lands leaves an entry whose recovery resumes participants that
+        already resumed that checkpoint, which they answer as done.  The next
+        write waits for the clear first, so the two never land out of order."""
         self.open = entry
         if entry is None:
             self.frozen = {}
             self._prepare_restarts = set()
-            await asyncio.to_thread(self.journal.clear)
+            await self.settle_journal()
+            self._clearing = asyncio.ensure_future(asyncio.to_thread(self.journal.clear))
             return
         entry.updated_at = self.clock.now()
         entry.members = {k: h.describe() for k, h in self.frozen.items()}
         if durable:
+            await self.settle_journal()
             await asyncio.to_thread(self.journal.write, encode(entry))
+
+    async def settle_journal(self) -> None:
+        """Wait for a clear still running; its failure is logged, not raised
+        (the next write replaces the entry it failed to clear)."""
+        clearing = self._clearing
+        if clearing is None:
+            return
+        try:
+            await asyncio.shield(clearing)  # a cancelled waiter leaves it pending
+        except Exception:
+            log.exception("could not clear the journal; the next entry replaces it")
+        if self._clearing is clearing:
+            self._clearing = None
 
     def _prune_gone(self, out: Outcome) -> None:
         """Drop members whose actor no longer exists (each failed call says so):
@@ -352,6 +376,7 @@ class PhaseDriver:
 
     async def aclose(self) -> None:
         self.renewer.stop()
+        await self.settle_journal()
         for host in list(self.hosts.values()):
             with contextlib.suppress(Exception):
                 await host.aclose()

@@ -62,10 +62,10 @@ def precreate_participant_dirs(
     fsyncing three parents) inside the pause.  Only an optimisation: on an
     object store there are no folders, and a failure is logged, leaving the
     participants to create their own as before."""
-    blobs = open_location(checkpoint_dir)
-    if not isinstance(blobs, LocalBlobs):
-        return
     try:
+        blobs = open_location(checkpoint_dir)
+        if not isinstance(blobs, LocalBlobs):
+            return
         durable.ensure_dirs(participant_dir(blobs.root, k, i) for k, i in participants)
     except (CheckpointError, OSError) as exc:
         log.warning("could not create the participant folders of %s: %s", checkpoint_dir, exc)

@@ -82,11 +82,22 @@ class Blobs(Protocol):
         ...
 
     def upload(
-        self, key: str, *, before_publish: Callable[[], object] | None = None
+        self,
+        key: str,
+        *,
+        before_publish: Callable[[], object] | None = None,
+        sync_name: bool = True,
     ) -> contextlib.AbstractContextManager[Upload]:
         """Stream a new object: visible whole at `key` on a clean exit, never
         partly; on an exception nothing is published.  A taken key raises
         `InvalidCheckpointState`.
+
+        `sync_name=False`: the caller `create`s an object in the same folder
+        next, and that create's directory fsync makes both names durable
+        (on disk one fsync fewer per commit; a store's completed upload is
+        durable by itself).  Safe for a records file: until the manifest that
+        names it exists nothing reads it, and the manifest is only durable
+        with that same fsync.
 
         `before_publish` runs on the caller's thread at the exit, after every
         byte was written (on disk: and fsynced; on a store: handed to the

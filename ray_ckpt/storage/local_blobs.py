@@ -6,7 +6,8 @@ Each `Blobs` guarantee is kept with the durable steps of `durable.py`:
   two racing writers exactly one links), directory fsync;
 - `upload`: the stream goes into a temp file; on a clean exit it is fsynced
   and hard-linked into place (a taken key raises), then the directory is
-  fsynced; on an exception the temp file is removed and nothing appears;
+  fsynced (or, with `sync_name=False`, by the `create` that follows in the
+  same folder); on an exception the temp file is removed and nothing appears;
 - `replace`: temp file, fsync, rename over the old one, directory fsync;
 - a reader never sees a partial object, because an object's name only ever
   appears for a complete, fsynced file.
@@ -124,7 +125,11 @@ class LocalBlobs:
 
     @contextlib.contextmanager
     def upload(
-        self, key: str, *, before_publish: Callable[[], object] | None = None
+        self,
+        key: str,
+        *,
+        before_publish: Callable[[], object] | None = None,
+        sync_name: bool = True,
     ) -> Iterator[_FileUpload]:
         with self._errors("written"):
             final = self.path(key)
@@ -145,7 +150,8 @@ class LocalBlobs:
                     os.link(tmp, final)
                 except FileExistsError:
                     raise InvalidCheckpointState(f"{self._where(key)} already exists") from None
-                durable.fsync_dir(final.parent)
+                if sync_name:
+                    durable.fsync_dir(final.parent)
         finally:
             durable.unlink_quietly(tmp)
 

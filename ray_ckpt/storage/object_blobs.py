@@ -148,7 +148,11 @@ class ObjectBlobs:
 
     @contextlib.contextmanager
     def upload(
-        self, key: str, *, before_publish: Callable[[], object] | None = None
+        self,
+        key: str,
+        *,
+        before_publish: Callable[[], object] | None = None,
+        sync_name: bool = True,  # a completed upload is durable: nothing to defer
     ) -> Iterator[_StreamUpload]:
         if self.exists(key):
             raise InvalidCheckpointState(f"{self._where(key)} already exists")

@@ -156,6 +156,7 @@ async def test_strict_refuses_a_commit_where_an_episode_has_no_state_anywhere(
         assert f.manifests == [], "no Gym manifest is published"
         assert set(f.phases().values()) == {"idle"}
         assert f.core.open is None
+        await f.core.settle_journal()  # the close's clear runs after the reply
         assert not (tmp_path / "coordinator-state.json").exists()
         # Split calls: the same refusal, then the fleet takes the next checkpoint.
         await f.core.prepare()

@@ -94,6 +94,7 @@ async def test_an_unready_participant_fails_prepare_naming_its_blockers(fleet: F
     assert set(fleet.phases().values()) == {"idle"}
     assert fleet.manifests == []
     # Even the participant the prepare never reached refuses a delayed prepare.
+    await fleet.core.settle_journal()  # the close's clear runs after the reply
     cid = fleet.core.journal.load()
     assert cid is None
     assert fleet.core.open is None
@@ -250,13 +251,55 @@ async def test_the_journal_is_written_before_each_fan_out(tmp_path: pathlib.Path
     f.core.journal.write = counting_write  # type: ignore[method-assign]  # counts the writes
     try:
         await f.core.checkpoint("/ck")
-        # Once per phase that recovery needs: "prepared", "committed" and
-        # "resuming" change nothing a new coordinator would do (it resumes),
-        # so they stay in memory and the resume sees "committing".
-        assert seen == ["prepare:preparing", "commit:committing", "resume:committing"]
-        assert writes == ["preparing", "committing"]
+        # Once per checkpoint: every later phase ("prepared", "committing",
+        # "committed", "resuming") recovers as "preparing" does (a new
+        # coordinator resumes everyone), so they stay in memory.
+        assert seen == ["prepare:preparing", "commit:preparing", "resume:preparing"]
+        assert writes == ["preparing"]
+        await f.core.settle_journal()  # the clear runs after the reply
         assert not (tmp_path / "coordinator-state.json").exists()
     finally:
+        await f.aclose()
+
+
+async def test_the_journal_clear_follows_the_reply_and_precedes_the_next_entry(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The clear after a resume is not waited for by the caller, but the next
+    checkpoint's entry is written only after it: never cleared by a late clear."""
+    import threading
+
+    f = make_fleet(state_dir=str(tmp_path))
+    order: list[str] = []
+    release = threading.Event()
+    real_write, real_clear = f.core.journal.write, f.core.journal.clear
+
+    def slow_clear() -> None:
+        release.wait(10)
+        real_clear()
+        order.append("clear")
+
+    def write(data: bytes) -> None:
+        real_write(data)
+        order.append(json.loads(data)["phase"])
+
+    f.core.journal.clear = slow_clear  # type: ignore[method-assign]  # a clear that waits
+    f.core.journal.write = write  # type: ignore[method-assign]  # notes the writes
+    try:
+        await asyncio.wait_for(f.core.checkpoint("/ck"), 5)  # answered, clear pending
+        assert order == ["preparing"]
+        second = asyncio.ensure_future(f.core.checkpoint("/ck2"))
+        await asyncio.sleep(0.2)
+        assert not second.done()  # waiting for the clear, nobody paused yet
+        assert order == ["preparing"]
+        assert f.events("prepare") == ORDER  # the first checkpoint's only
+        release.set()
+        await asyncio.wait_for(second, 5)
+        assert order == ["preparing", "clear", "preparing"]
+        await f.core.settle_journal()
+        assert not (tmp_path / "coordinator-state.json").exists()
+    finally:
+        release.set()
         await f.aclose()
 
 

@@ -212,3 +212,38 @@ def test_a_crash_between_any_two_steps_leaves_old_or_refusable_state(
     # Only the last few steps (after the Gym manifest's link) may leave it complete.
     last_link = len(steps) - 1 - steps[::-1].index("link")
     assert completed == list(range(last_link + 1, len(steps)))
+
+
+def test_every_published_name_is_fsynced_into_its_folder_before_the_commit_returns(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a power loss needs: each file is fsynced before its name appears,
+    and a directory fsync after the last link covers every name published.
+    The records file's name rides on the manifest's fsync (one folder, one
+    fsync): three fsyncs per participant commit, not four."""
+    participant_dir(tmp_path, KIND, INST).mkdir(parents=True)  # as pre-created
+    events: list[tuple[str, str]] = []
+    real_fsync, real_link = os.fsync, os.link
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def link(src, dst, *args, **kwargs):  # type: ignore[no-untyped-def]
+        events.append(("link", f"{src} -> {dst}"))
+        real_link(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "link", link)
+    write(tmp_path)
+    monkeypatch.undo()
+    folder = str(participant_dir(tmp_path, KIND, INST))
+    links = [i for i, (op, _) in enumerate(events) if op == "link"]
+    assert len(links) == 2  # the records file, then the manifest
+    for i in links:
+        src = events[i][1].split(" -> ")[0]
+        assert ("fsync", src) in events[:i], f"{src} linked before it was fsynced"
+    dir_syncs = [i for i, e in enumerate(events) if e == ("fsync", folder)]
+    assert dir_syncs, "no fsync of the participant's folder"
+    assert dir_syncs[-1] > links[-1], "a name was published after the last folder fsync"
+    assert sum(op == "fsync" for op, _ in events) == 3
