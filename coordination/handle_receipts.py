@@ -25,9 +25,7 @@ class ReceiptCalls:
         res: CollectResult = await self._async("collect", deadline_s)
         return res
 
-    def ack(
-        self, receipts: Iterable[ReceiptLike], *, deadline_s: float | None = None
-    ) -> AckResult:
+    def ack(self, receipts: Iterable[ReceiptLike], *, deadline_s: float | None = None) -> AckResult:
         """Free these results everywhere (`Receipt`s or the `receipt` dicts of
         `/run` replies); idempotent; a receipt no environment participant
         knows refuses the call (`UnknownReceipt`) and nothing is acknowledged."""

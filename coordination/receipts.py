@@ -84,9 +84,7 @@ def _timeout(driver: PhaseDriver, deadline_s: float | None) -> float:
 
 
 def _raise_failures(op: str, out: Outcome) -> None:
-    failures = {
-        k: failure(e) for k, e in out.errors.items() if e.reason is not Reason.RECEIPTS_OFF
-    }
+    failures = {k: failure(e) for k, e in out.errors.items() if e.reason is not Reason.RECEIPTS_OFF}
     if failures:
         raise coordination_failed(op, "receipts", failures)
 
@@ -140,9 +138,7 @@ async def ack(
         timeout,
     )
     _raise_failures("ack", done)
-    acknowledged = {
-        k: _receipts(r.get("acknowledged")) for k, r in sorted(done.replies.items())
-    }
+    acknowledged = {k: _receipts(r.get("acknowledged")) for k, r in sorted(done.replies.items())}
     freed = {r for rs in acknowledged.values() for r in rs}
     already = [r for r in receipts if r not in freed]
     return AckResult(

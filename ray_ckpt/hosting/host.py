@@ -126,7 +126,6 @@ class ParticipantHost(NamedControlOps):
             await self.plane.start(self.controller)
         log.info("%s serving on %s", self.spec.actor_name, self.url)
 
-
     async def _ready(self) -> None:
         if self._stopped:
             raise ParticipantUnavailable(f"{self.spec.actor_name} is stopped")

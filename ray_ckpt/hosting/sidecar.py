@@ -194,9 +194,7 @@ class SidecarHost(NamedControlOps):
             reply = self._noted(await self.client.call(op, body))
             outcome = "ok"
         finally:
-            self.metrics.call_done(
-                op, self._clock.now() - start, outcome, self._writes_in_flight
-            )
+            self.metrics.call_done(op, self._clock.now() - start, outcome, self._writes_in_flight)
         self._track(op, body)
         return reply
 
