@@ -14,8 +14,20 @@ over several repetitions (medians reported):
   commit's one group of all P, resume's four kind groups again.
 
 `cycle_over_floor` = cycle_s / floor_s: what the coordinator adds to the Ray
-round trips the protocol cannot avoid (1.0 = nothing).  `cycle_over_fanout` =
-cycle_s / (9 * fanout_s) is kept for comparison with earlier runs; it divides
+round trips the protocol cannot avoid (1.0 = nothing).  Two more figures say
+where the rest goes, measured from an async actor as the coordinator itself
+makes its calls (awaiting a ref on an event loop costs more per call than the
+driver's blocking `ray.get`):
+
+- `actor_floor_s`: the floor's fan-outs made from such an actor
+  (`cycle_over_actor_floor`);
+- `participants_direct_s`: the cycle's own prepare, commit and resume calls
+  from such an actor, without the coordinator (the participants' work,
+  their commits' fsyncs included, plus the round trips), so
+  `coordinator_own_s` = cycle_s - participants_direct_s is the coordinator's
+  own share: the driver's call, the journal, the Gym manifest, its bookkeeping.
+
+`cycle_over_fanout` = cycle_s / (9 * fanout_s) is kept for comparison with earlier runs; it divides
 by nine fan-outs to all P, while eight of the nine steps reach only P/4, so it
 understates the coordinator's overhead.
 
@@ -38,6 +50,7 @@ Progress goes to stderr; `--json` prints `{"runs": [...]}` (plus `simulated`,
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -127,6 +140,33 @@ class BenchHost(NamedControlOps):
         return self.ctrl.status()
 
 
+class FloorProbe:
+    """An async actor making the floor's fan-outs as the coordinator makes
+    its own: awaiting the object refs on an event loop, which costs more per
+    call than the driver's blocking `ray.get` (the floor's vantage point)."""
+
+    async def floor(self, groups: list[list[Any]], everyone: list[Any]) -> float:
+        start = time.perf_counter()
+        for group in [*groups, everyone, *groups[::-1]]:
+            await asyncio.gather(*(h.noop.remote({}) for h in group))
+        return time.perf_counter() - start
+
+    async def direct(
+        self, groups: list[list[Any]], everyone: list[Any], cid: str, where: str
+    ) -> float:
+        """The cycle's own participant calls, in its order, without the
+        coordinator: what the participants and the round trips cost."""
+        body = {"checkpoint_id": cid, "deadline_ts": time.time() + 60}
+        commit = {**body, "checkpoint_dir": where, "episode_ids": None, "stop": False}
+        start = time.perf_counter()
+        for group in groups:
+            await asyncio.gather(*(h.prepare.remote(body) for h in group))
+        await asyncio.gather(*(h.commit.remote(commit) for h in everyone))
+        for group in groups[::-1]:
+            await asyncio.gather(*(h.resume.remote(body) for h in group))
+        return time.perf_counter() - start
+
+
 def progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -175,19 +215,32 @@ def run_one(p: int, reps: int, workdir: str, journal: str = "gcs") -> dict[str, 
         # The cycle's steps in its order: prepare by kind, commit to all, resume by kind.
         return sum(fanout(g) for g in groups) + fanout() + sum(fanout(g) for g in groups[::-1])
 
-    cycle("warm"), rtt(), fanout(), floor()
-    cycles, rtts, fanouts, floors = [], [], [], []
-    for i in range(reps):  # interleaved, so drift hits all four alike
+    probe: Any = ray.remote(FloorProbe).options(num_cpus=0).remote()
+
+    def actor_floor() -> float:
+        return float(ray.get(probe.floor.remote(groups, hosts)))
+
+    def direct(tag: str) -> float:
+        where = os.path.join(workdir, f"direct-{p}-{tag}")
+        return float(ray.get(probe.direct.remote(groups, hosts, f"direct-{tag}", where)))
+
+    cycle("warm"), rtt(), fanout(), floor(), actor_floor(), direct("warm")
+    cycles, rtts, fanouts, floors, actor_floors, directs = [], [], [], [], [], []
+    for i in range(reps):  # interleaved, so drift hits them all alike
         rtts.append(rtt())
         fanouts.append(fanout())
         floors.append(floor())
+        actor_floors.append(actor_floor())
+        directs.append(direct(str(i)))
         cycles.append(cycle(str(i)))
         progress(f"P={p} rep {i + 1}/{reps}: cycle {cycles[-1] * 1e3:.1f} ms")
     for h in hosts:
         ray.kill(h)
     ray.kill(coord)
+    ray.kill(probe)
     cycle_s, fanout_s = statistics.median(cycles), statistics.median(fanouts)
-    floor_s = statistics.median(floors)
+    floor_s, actor_floor_s = statistics.median(floors), statistics.median(actor_floors)
+    direct_s = statistics.median(directs)
     return {
         "participants": p,
         "cycle_s": cycle_s,
@@ -196,6 +249,10 @@ def run_one(p: int, reps: int, workdir: str, journal: str = "gcs") -> dict[str, 
         "floor_s": floor_s,
         "cycle_over_floor": cycle_s / floor_s,
         "cycle_over_fanout": cycle_s / (9 * fanout_s),
+        "actor_floor_s": actor_floor_s,
+        "cycle_over_actor_floor": cycle_s / actor_floor_s,
+        "participants_direct_s": direct_s,
+        "coordinator_own_s": cycle_s - direct_s,
     }
 
 
@@ -263,14 +320,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     header = (
         f"{'P':>4}  {'cycle ms':>9}  {'rtt ms':>7}  {'fanout ms':>9}  {'floor ms':>9}  "
-        f"{'cycle/floor':>11}  {'cycle/(9*fanout)':>16}"
+        f"{'cycle/floor':>11}  {'cycle/(9*fanout)':>16}  {'actor floor ms':>14}  "
+        f"{'cycle/actor floor':>17}  {'direct ms':>9}  {'coordinator ms':>14}"
     )
     print(header if not args.json else "", file=sys.stdout if not args.json else sys.stderr)
     for r in runs:
         line = (
             f"{r['participants']:>4}  {r['cycle_s'] * 1e3:>9.1f}  {r['rtt_s'] * 1e3:>7.2f}  "
             f"{r['fanout_s'] * 1e3:>9.2f}  {r['floor_s'] * 1e3:>9.2f}  "
-            f"{r['cycle_over_floor']:>11.2f}  {r['cycle_over_fanout']:>16.2f}"
+            f"{r['cycle_over_floor']:>11.2f}  {r['cycle_over_fanout']:>16.2f}  "
+            f"{r['actor_floor_s'] * 1e3:>14.2f}  {r['cycle_over_actor_floor']:>17.2f}  "
+            f"{r['participants_direct_s'] * 1e3:>9.1f}  {r['coordinator_own_s'] * 1e3:>14.1f}"
         )
         print(line, file=sys.stderr if args.json else sys.stdout)
     if args.json:
