@@ -35,7 +35,6 @@ What a restore verifies is in `referenced`, which reads them back.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -46,6 +45,7 @@ from ray_ckpt.storage.blobs import BlobMissing, Blobs
 from ray_ckpt.storage.durable import WriteStop
 from ray_ckpt.storage.locations import open_location
 from ray_ckpt.storage.participant_manifest import (
+    DIGEST_ALGO,
     MANIFEST_NAME,
     RECORDS_RE,
     FrameRef,
@@ -56,7 +56,7 @@ from ray_ckpt.storage.participant_manifest import (
 )
 from ray_ckpt.storage.pointer import split_location
 from ray_ckpt.storage.record import Record
-from ray_ckpt.storage.records_format import StateEncoder
+from ray_ckpt.storage.records_format import StateEncoder, frame_hash
 
 FULL_EVERY = 8
 MIN_LIVE_FRACTION = 0.5
@@ -139,6 +139,10 @@ def plan(
     name = _sibling(here.url, previous.location)
     if name is None or depth >= policy.full_every or not prev.frames or prev.bytes <= 0:
         return None
+    if prev.digest_algo != DIGEST_ALGO:
+        # Its frames' digests are another hash: a manifest's references are
+        # always in its own `digest_algo`, so the chain starts over here.
+        return None
     root = root_of(here)
     pdir = f"{name}/{participant_key(kind, instance)}"
     try:
@@ -151,6 +155,7 @@ def plan(
     refs: dict[str, FrameRef] = {}
     encoded: dict[str, bytes] = {}
     encoder = StateEncoder()
+    digest = frame_hash(DIGEST_ALGO)
     for rec in records:
         stop.check()  # the digest path encodes every state: a stop must not wait for it
         cand = known.get(rec.key)
@@ -165,7 +170,7 @@ def plan(
             encoder.append(frame, rec.key, rec.state)
         except (TypeError, ValueError, OverflowError):
             continue  # the write refuses it, naming the episode
-        if len(frame) == cand.length and hashlib.sha256(frame).hexdigest() == cand.digest:
+        if len(frame) == cand.length and digest(frame).hex() == cand.digest:
             refs[rec.key] = cand
         else:
             encoded[rec.key] = bytes(frame)
@@ -190,6 +195,7 @@ def same_records(prior: ParticipantManifest, records: Sequence[Record], stop: Wr
         return False
     known = candidates("", prior)  # the name is unused: only digests are compared
     encoder = StateEncoder()
+    digest = frame_hash(prior.digest_algo)
     for rec in records:
         stop.check()
         cand = known[rec.key]
@@ -200,7 +206,7 @@ def same_records(prior: ParticipantManifest, records: Sequence[Record], stop: Wr
             encoder.append(frame, rec.key, rec.state)
         except (TypeError, ValueError, OverflowError):
             return False
-        if hashlib.sha256(frame).hexdigest() != cand.digest:
+        if digest(frame).hex() != cand.digest:
             return False
     return True
 

@@ -18,14 +18,19 @@ from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.identity import ID_PATTERN
 from ray_ckpt.storage.blobs import BlobMissing, Blobs, blob_name
 from ray_ckpt.storage.locations import open_location
-from ray_ckpt.storage.records_format import FORMAT, FRAMES_DIGEST
+from ray_ckpt.storage.records_format import (
+    FORMAT,
+    FRAMES_DIGEST,
+    SHA256_FRAMES_DIGEST,
+    WHOLE_FILE_DIGEST,
+)
 
 SCHEMA_VERSION = 1
-# The records file's digest: over its frames' digests (`records_format`).
-# Manifests written before it say "sha256" (the whole file's); still read.
+# The records file's digest: over its frames' BLAKE3 digests (`records_format`).
+# Manifests written before say "sha256-frames" (the same with sha256) or
+# "sha256" (the whole file's); both still read.
 DIGEST_ALGO = FRAMES_DIGEST
-WHOLE_FILE_DIGEST = "sha256"
-DIGEST_ALGOS = (DIGEST_ALGO, WHOLE_FILE_DIGEST)
+DIGEST_ALGOS = (DIGEST_ALGO, SHA256_FRAMES_DIGEST, WHOLE_FILE_DIGEST)
 GYM = "gym"
 MANIFEST_NAME = "manifest.json"
 _NAME_RE = re.compile(ID_PATTERN)

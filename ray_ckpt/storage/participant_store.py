@@ -22,8 +22,9 @@ How the disk steps map onto an object store (the `Blobs` backends keep them):
 
 Reads verify the digest, size and count over the whole object in one
 streaming pass and decode only the records the caller keeps.  The digest is
-made of the frames' own digests (`records_format`), so a commit hashes its
-bytes once; manifests from before it ("sha256") are verified as they were.
+made of the frames' own digests (`records_format`, BLAKE3), so a commit
+hashes its bytes once; manifests from before ("sha256-frames", "sha256")
+are verified with the digest they name.
 
 Incremental (`incremental`, `referenced`): given the previous commit, the
 records object holds only the changed records and the manifest references
@@ -62,7 +63,7 @@ from ray_ckpt.storage.participant_manifest import (
 )
 from ray_ckpt.storage.pipeline import ChunkWriter, HashingReader
 from ray_ckpt.storage.record import Record
-from ray_ckpt.storage.records_format import FORMAT
+from ray_ckpt.storage.records_format import FORMAT, WHOLE_FILE_DIGEST
 from ray_ckpt.storage.records_io import (
     FrameIndex,
     digest_records,
@@ -111,7 +112,7 @@ def write_participant(
     that changed are written and the rest referenced (`incremental`); without
     it, or when `policy` calls for a full rewrite, every record is written.
     `frame_index` lists in the manifest where each frame sits and its
-    sha256 (computed either way: they make the file's digest), which a later
+    digest (computed either way: they make the file's digest), which a later
     checkpoint needs to reference them; without it the next one is full.
     An identical recommit returns the existing manifest; a different commit
     into the same place raises `InvalidCheckpointState`.
@@ -156,7 +157,8 @@ def write_participant(
             sync_name=False,
         ) as up:
             writer = ChunkWriter(up.write)
-            index = FrameIndex(thread=False)  # the frame digests make the file's digest
+            # The frame digests make the file's digest.
+            index = FrameIndex(thread=False, algo=DIGEST_ALGO)
             try:
                 keys = encode_records(
                     writer,
@@ -227,7 +229,7 @@ def _recommit(
         if not same_records(prior, list(records), stop):
             raise _conflict(blobs, pkey, prior)
         return prior
-    digest, size, keys = digest_records(records, stop, whole_file=prior.digest_algo != DIGEST_ALGO)
+    digest, size, keys = digest_records(records, stop, algo=prior.digest_algo)
     stop.check()
     same = (digest, size, sorted(keys)) == (prior.digest, prior.bytes, prior.episodes)
     if not same:
@@ -291,14 +293,14 @@ def _read_own(
     key = f"{participant_key(manifest.kind, manifest.instance)}/{manifest.records_file}"
     name = blob_name(blobs, key)
     # Every byte is verified either way: the magic as it is, each frame by
-    # its own sha256 (which the digest is made of); files written before
+    # its own hash (which the digest is made of); files written before
     # the frames digest, by one hash of the whole file.
-    whole_file = manifest.digest_algo != DIGEST_ALGO
+    whole_file = manifest.digest_algo == WHOLE_FILE_DIGEST
     try:
         reader = HashingReader(blobs.stream(key), hash=whole_file)
     except BlobMissing:
         raise InvalidCheckpointState(f"records file {name} is missing") from None
-    index = None if whole_file else FrameIndex(thread=False)
+    index = None if whole_file else FrameIndex(thread=False, algo=manifest.digest_algo)
     try:
         keys, kept, problem = parse_records(reader, select, index)
         if problem is not None:

@@ -12,7 +12,6 @@ See `incremental` for how references are made.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -25,7 +24,7 @@ from ray_ckpt.storage.blobs import BlobMissing, Blobs, blob_name
 from ray_ckpt.storage.incremental import root_of
 from ray_ckpt.storage.participant_manifest import FrameRef, ParticipantManifest, participant_key
 from ray_ckpt.storage.record import Record
-from ray_ckpt.storage.records_format import FRAME, decode_state
+from ray_ckpt.storage.records_format import FRAME, decode_state, frame_hash
 
 # Adjacent referenced frames are fetched in one ranged read up to this size,
 # and across gaps up to `_GAP` (a few wasted bytes beat one more round trip).
@@ -57,6 +56,8 @@ class RefReader:
         self._pool = ThreadPoolExecutor(_READERS, thread_name_prefix="ray-ckpt-refs")
         self._pending: deque[Future[tuple[str, list[FrameRef], bytes]]] = deque()
         self._todo = iter(_reads(self._root, manifest))
+        # A manifest's references are in its own digest (`incremental.plan`).
+        self._digest = frame_hash(manifest.digest_algo)
         self._more(_AHEAD)
 
     def __enter__(self) -> RefReader:
@@ -70,7 +71,7 @@ class RefReader:
 
     def _more(self, n: int) -> None:
         for key, group in itertools.islice(self._todo, n):
-            self._pending.append(self._pool.submit(_fetch, self._root, key, group))
+            self._pending.append(self._pool.submit(_fetch, self._root, key, group, self._digest))
 
     def records(self, select: Callable[[str], bool] | None) -> dict[str, Record]:
         kept: dict[str, Record] = {}
@@ -123,7 +124,12 @@ def _coalesce(refs: list[FrameRef]) -> Iterator[list[FrameRef]]:
         yield group
 
 
-def _fetch(root: Blobs, key: str, group: list[FrameRef]) -> tuple[str, list[FrameRef], bytes]:
+def _fetch(
+    root: Blobs,
+    key: str,
+    group: list[FrameRef],
+    digest: Callable[[bytes | bytearray | memoryview], bytes],
+) -> tuple[str, list[FrameRef], bytes]:
     start = group[0].offset
     end = max(r.offset + r.length for r in group)
     try:
@@ -132,10 +138,10 @@ def _fetch(root: Blobs, key: str, group: list[FrameRef]) -> tuple[str, list[Fram
         raise InvalidCheckpointState(
             f"referenced records file {blob_name(root, key)} is missing"
         ) from None
-    # Hashed here, on the reader threads (hashlib releases the GIL).
+    # Hashed here, on the reader threads (hashlib and blake3 release the GIL).
     for ref in group:
         view = memoryview(data)[ref.offset - start : ref.offset - start + ref.length]
-        if len(view) != ref.length or hashlib.sha256(view).hexdigest() != ref.digest:
+        if len(view) != ref.length or digest(view).hex() != ref.digest:
             raise InvalidCheckpointState(
                 f"digest mismatch in {blob_name(root, key)} at offset {ref.offset} "
                 f"(record {ref.key}): referenced records are corrupt"

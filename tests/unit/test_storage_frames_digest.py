@@ -1,6 +1,7 @@
-"""The records file's digest made of its frames' digests ("sha256-frames"):
+"""The records file's digest made of its frames' digests ("blake3-frames"):
 every byte still verified on restore, a corrupt or torn file refused whole,
-checkpoints written with the whole-file digest ("sha256") still read."""
+checkpoints written with the frames' sha256 ("sha256-frames") or the
+whole-file digest ("sha256") still read."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import hashlib
 import pathlib
 from typing import Any
 
+import blake3
 import msgspec
 import pytest
 
@@ -55,11 +57,11 @@ def test_the_digest_is_the_frames_and_a_tool_computes_it_from_the_bytes(
     mpath, rpath = files(tmp_path)
     m = decode_manifest(mpath.read_bytes(), "m")
     data = rpath.read_bytes()
-    assert m.digest_algo == "sha256-frames"
+    assert m.digest_algo == "blake3-frames"
     assert records_digest([data]) == m.digest
     # Cut anywhere between chunks: the same digest.
     assert records_digest([data[:5], data[5:1000], data[1000:]]) == m.digest
-    assert m.digest != hashlib.sha256(data).hexdigest()
+    assert m.digest != blake3.blake3(data).hexdigest()
 
 
 def regions(data: bytes) -> dict[str, int]:
@@ -125,8 +127,18 @@ def as_whole_file_digest(d: pathlib.Path) -> None:
     """Rewrite the manifest as the code before the frames digest wrote it."""
     mpath, rpath = files(d)
     m = decode_manifest(mpath.read_bytes(), "m")
+    data = rpath.read_bytes()
     old = msgspec.structs.replace(
-        m, digest_algo="sha256", digest=hashlib.sha256(rpath.read_bytes()).hexdigest()
+        m,
+        digest_algo="sha256",
+        digest=hashlib.sha256(data).hexdigest(),
+        # Its frame index, if any, held the frames' sha256.
+        frames=[
+            msgspec.structs.replace(
+                f, digest=hashlib.sha256(data[f.offset : f.offset + f.length]).hexdigest()
+            )
+            for f in m.frames
+        ],
     )
     mpath.write_bytes(encode_manifest(old))
 
@@ -171,8 +183,81 @@ def test_without_a_frame_index_the_digest_is_still_the_frames_and_recommits_comp
     recs = records()
     first = write(tmp_path, recs, frame_index=False)
     assert first.frames == []
-    assert first.digest_algo == "sha256-frames"
+    assert first.digest_algo == "blake3-frames"
     assert write(tmp_path, recs, frame_index=False) == first
     with pytest.raises(InvalidCheckpointState, match="different commit"):
         write(tmp_path, records(tag="x"), frame_index=False)
     assert [r.state for r in read(tmp_path)] == [r.state for r in recs]
+
+
+def as_sha256_frames(d: pathlib.Path) -> ParticipantManifest:
+    """Rewrite the manifest as the code before BLAKE3 wrote it: the frames'
+    sha256 digests, and the file's made of them."""
+    mpath, rpath = files(d)
+    m = decode_manifest(mpath.read_bytes(), "m")
+    data = rpath.read_bytes()
+    raw = [hashlib.sha256(data[f.offset : f.offset + f.length]).digest() for f in m.frames]
+    old = msgspec.structs.replace(
+        m,
+        digest_algo="sha256-frames",
+        digest=hashlib.sha256(MAGIC + b"".join(raw)).hexdigest(),
+        frames=[msgspec.structs.replace(f, digest=r.hex()) for f, r in zip(m.frames, raw)],
+    )
+    mpath.write_bytes(encode_manifest(old))
+    return old
+
+
+def test_a_checkpoint_with_sha256_frames_still_restores_recommits_and_is_verified(
+    tmp_path: pathlib.Path,
+) -> None:
+    recs = records()
+    write(tmp_path, recs)
+    old = as_sha256_frames(tmp_path)
+    assert [r.state for r in read(tmp_path)] == [r.state for r in recs]
+    verify_participant(tmp_path, KIND, INST, checkpoint_id="c1")
+    assert write(tmp_path, recs) == old  # the recommit hashes as it was written
+    with pytest.raises(InvalidCheckpointState, match="different commit"):
+        write(tmp_path, records(tag="x"))
+    _, rpath = files(tmp_path)
+    data = bytearray(rpath.read_bytes())
+    data[-2] ^= 0x40
+    rpath.write_bytes(bytes(data))
+    with pytest.raises(InvalidCheckpointState, match="digest mismatch"):
+        read(tmp_path, only="r0")
+
+
+def test_an_incremental_checkpoint_after_a_sha256_one_starts_a_full_chain(
+    tmp_path: pathlib.Path,
+) -> None:
+    """References are in their manifest's own digest: a BLAKE3 manifest
+    never points at frames hashed with sha256."""
+    from ray_ckpt.storage.incremental import Previous
+
+    recs = records()
+    first = tmp_path / "ck-1"
+    write(first, recs)
+    old = as_sha256_frames(first)
+    second = tmp_path / "ck-2"
+    m = write_participant(
+        second,
+        kind=KIND,
+        instance=INST,
+        checkpoint_id="c2",
+        records=recs,
+        previous=Previous(location=str(first), manifest=old),
+    )
+    assert m.refs == []
+    assert m.chain_depth == 0
+    assert m.digest_algo == "blake3-frames"
+    # ... and the next one, over a BLAKE3 base, references again.
+    third = write_participant(
+        tmp_path / "ck-3",
+        kind=KIND,
+        instance=INST,
+        checkpoint_id="c3",
+        records=recs,
+        previous=Previous(location=str(second), manifest=m),
+    )
+    assert len(third.refs) == len(recs)
+    got = read_participant(tmp_path / "ck-3", kind=KIND, instance=INST, checkpoint_id="c3")[1]
+    assert [r.state for r in got] == [r.state for r in recs]

@@ -8,6 +8,7 @@ import pathlib
 import re
 from typing import Any
 
+import blake3
 import msgspec
 import pytest
 
@@ -62,16 +63,16 @@ def test_round_trip_keeps_order_and_manifest_describes_the_file(tmp_path: pathli
     # Named by a fresh token (fixed before a multipart upload starts); the
     # manifest keeps the digest.
     assert re.fullmatch(r"records-[0-9a-f]{32}\.msgpack", m.records_file)
-    # The digest is made of the frames' own sha256 digests, after the magic.
+    # The digest is made of the frames' own BLAKE3 digests, after the magic.
     data = path.read_bytes()
-    assert m.digest_algo == "sha256-frames"
+    assert m.digest_algo == "blake3-frames"
     assert [f.digest for f in m.frames] == [
-        hashlib.sha256(data[f.offset : f.offset + f.length]).hexdigest() for f in m.frames
+        blake3.blake3(data[f.offset : f.offset + f.length]).hexdigest() for f in m.frames
     ]
     assert data[: len(MAGIC)] == MAGIC
     assert sum(f.length for f in m.frames) == len(data) - len(MAGIC)
     listed = b"".join(bytes.fromhex(f.digest) for f in m.frames)
-    assert hashlib.sha256(MAGIC + listed).hexdigest() == m.digest
+    assert blake3.blake3(MAGIC + listed).hexdigest() == m.digest
     assert path.stat().st_size == m.bytes
     assert m.episodes == sorted(r.key for r in recs)
     assert m.record_count == 5
