@@ -70,12 +70,6 @@ class DemoOptions:
     workers: int = 1  # worker processes per Gym server (ray_ckpt.workers)
     restore_workers: int | None = None  # the fresh fleet's count (default: workers)
 
-    def __post_init__(self) -> None:
-        if self.workers > 1 or (self.restore_workers or 1) > 1:
-            # Completion receipts are held by one environment process; under
-            # several workers ack and collect do not reach them yet: off.
-            object.__setattr__(self, "receipts", False)
-
 
 def fleet_config(
     opts: DemoOptions, *, suffix: str, namespace: str, receipts: bool = False

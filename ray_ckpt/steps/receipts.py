@@ -55,7 +55,7 @@ def result_digest(result: Any) -> str:
     return hashlib.sha256(encode_result(result)).hexdigest()
 
 
-def _named(receipts: Sequence[Receipt]) -> str:
+def named_receipts(receipts: Sequence[Receipt]) -> str:
     keys = [r.key for r in receipts[:_NAMED]]
     more = len(receipts) - len(keys)
     return ", ".join(keys) + (f" and {more} more" if more else "")
@@ -140,7 +140,7 @@ class ResultReceipts:
         wanted = list(dict.fromkeys(receipts))
         _, unknown = self.known(wanted)
         if unknown:
-            raise UnknownReceipt(f"no result held here for receipts {_named(unknown)}")
+            raise UnknownReceipt(f"no result held here for receipts {named_receipts(unknown)}")
         now: list[Receipt] = []
         before: list[Receipt] = []
         for r in wanted:

@@ -26,9 +26,10 @@ import msgspec
 
 from ray_ckpt.control.wire import Blocker, PrepareReport
 from ray_ckpt.errors import InvalidCheckpointState, ParticipantUnavailable
-from ray_ckpt.identity import EpisodeId
+from ray_ckpt.identity import EpisodeId, check_record_key, is_result_key
 from ray_ckpt.storage.record import Record
 from ray_ckpt.workers.pool import WorkerPool
+from ray_ckpt.workers.receipts import WorkerReceipts
 from ray_ckpt.workers.routing import owner_index
 from ray_ckpt.workers.tracking import LOST, WorkerTable, worker_id
 
@@ -56,6 +57,8 @@ class WorkersParticipant:
         self.stateless = stateless
         self._notify: Callable[[], None] = lambda: None
         self._tasks: set[asyncio.Task[None]] = set()
+        # The results the workers hold, for ack and collect (`receipt_ops`).
+        self.worker_receipts = WorkerReceipts(pool)
 
     def bind(self, notify: Callable[[], None]) -> None:
         self._notify = notify
@@ -132,7 +135,9 @@ class WorkersParticipant:
     def _by_owner(self, records: Sequence[Record]) -> dict[str, list[Record]]:
         groups: dict[str, list[Record]] = {}
         for record in records:
-            index = owner_index(record.episode_id.rollout_id, self.table.expected)
+            # A held result (`result:<capture key>`) goes with its rollout.
+            rollout = check_record_key(record.key).rollout_id
+            index = owner_index(rollout, self.table.expected)
             groups.setdefault(worker_id(index), []).append(record)
         return groups
 
@@ -164,7 +169,8 @@ class WorkersParticipant:
                 raise result
             installed.extend(msgspec.convert(result["installed"], list[EpisodeId]))
         for record in records:
-            self._mark(record.episode_id)
+            if not is_result_key(record.key):  # a held result is no attempt
+                self._mark(record.episode_id)
         return installed
 
     async def retire(self, episode_ids: Sequence[EpisodeId]) -> list[str]:

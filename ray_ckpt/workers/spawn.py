@@ -21,6 +21,8 @@ def to_report(body: dict[str, Any]) -> WorkerReport:
         blockers=tuple(body.get("blockers", ())),
         blocker_count=int(body.get("blocker_count", 0)),
         restarts=tuple(body.get("restarts", ())),
+        held=int(body.get("held", -1)),
+        held_bytes=int(body.get("held_bytes", 0)),
     )
 
 

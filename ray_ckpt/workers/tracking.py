@@ -43,6 +43,8 @@ class WorkerReport:
     blockers: tuple[dict[str, object], ...] = ()  # Blocker objects, as plain data
     blocker_count: int = 0
     restarts: tuple[str, ...] = ()
+    held: int = -1  # finished results held (completion receipts); -1: receipts off
+    held_bytes: int = 0
 
 
 @dataclass

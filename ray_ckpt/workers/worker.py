@@ -29,11 +29,13 @@ from ray_ckpt.control.retire_marks import RetiredAttempts
 from ray_ckpt.control.wire import MAX_REPORTED_BLOCKERS
 from ray_ckpt.hosting.serving import bind_socket, socket_address
 from ray_ckpt.hosting.spec import GymServer, load_server
-from ray_ckpt.identity import EpisodeId
+from ray_ckpt.identity import EpisodeId, is_result_key
+from ray_ckpt.steps.receipts import ResultReceipts
 from ray_ckpt.storage.record import Record
 from ray_ckpt.workers.channel import Channel
 from ray_ckpt.workers.config import WorkerConfig, decode_config
 from ray_ckpt.workers.front import WorkerFront
+from ray_ckpt.workers.receipts import answer_receipts
 from ray_ckpt.workers.serve import serve_worker_app
 
 log = logging.getLogger(__name__)
@@ -73,10 +75,18 @@ class WorkerRuntime:
         self.participant.bind(self._dirty.set)
 
     # --- reports -----------------------------------------------------------
+    def held(self) -> ResultReceipts | None:
+        """The finished results this worker holds (completion receipts on)."""
+        hook = getattr(self.participant, "receipts", None)
+        return hook if isinstance(hook, ResultReceipts) else None
+
     def report(self) -> dict[str, Any]:
         rep = self.participant.report(MAX_REPORTED_BLOCKERS)
         retiring = getattr(self.participant, "retiring", None)
+        held = self.held()
         return {
+            "held": -1 if held is None else len(held),
+            "held_bytes": 0 if held is None else held.bytes,
             "incarnation": self.incarnation,
             "generation": self.generation,
             "ready": self.participant.ready(),
@@ -118,7 +128,8 @@ class WorkerRuntime:
             records = msgspec.convert(body["records"], list[Record])
             installed = await p.install(records)
             for record in records:
-                self.fence.retired.mark(record.episode_id)
+                if not is_result_key(record.key):  # a held result is no attempt
+                    self.fence.retired.mark(record.episode_id)
             return {"installed": installed}
         if op == "retire":
             episodes = _episodes(body["episodes"])
@@ -138,10 +149,18 @@ class WorkerRuntime:
             if hook is not None:
                 await hook(msgspec.convert(body["records"], list[Record]))
             return {}
+        if op in ("receipts_known", "receipts_ack", "receipts_collect"):
+            return self._receipts(op, body)
         if op == "stop":
             self.stop_requested.set()
             return {}
         raise ValueError(f"unknown worker operation {op!r}")
+
+    def _receipts(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
+        reply = answer_receipts(self.held(), op, body)
+        if op == "receipts_ack":
+            self._dirty.set()  # readiness may change (the bound), and the counts did
+        return reply
 
 
 async def run_worker(config: WorkerConfig) -> None:

@@ -166,9 +166,7 @@ async def test_a_torn_commit_is_refused_as_a_whole_and_the_previous_checkpoint_r
         with pytest.raises(CoordinationFailed) as info:
             await gym.arestore(c2, scope)
         assert set(info.value.failures) == {fleet.names["model"]}, info.value.failures
-        assert info.value.failures[fleet.names["model"]]["code"] == (
-            "invalid_checkpoint_state"
-        )
+        assert info.value.failures[fleet.names["model"]]["code"] == ("invalid_checkpoint_state")
         # All or nothing: what the other participants installed was undone.
         await assert_untouched(gym, second)
         # ...by retiring the attempts the restore would have continued, everywhere.

@@ -40,6 +40,11 @@ async def test_demo_with_two_workers_per_server_continues_every_rollout(
     assert summary["different"] == []
     assert summary["episodes_in_flight_at_checkpoint"] > 0
     assert summary["episodes_restarted"] == 0
+    # Completion receipts across workers: after the restore into another
+    # worker count the driver collects from every worker; a reply it lost is
+    # recovered there (the merge itself: tests/workers/test_receipts_merge.py).
+    assert summary["completion_receipts"] is True
+    assert summary["results_recovered_by_receipt"] == summary["replies_lost"]
     assert summary["workers"] == 2
     assert summary["restore_workers"] == restore_workers
     # Every server, the environment included, ran two live workers.

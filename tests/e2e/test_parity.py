@@ -154,8 +154,7 @@ async def test_restoring_the_same_checkpoint_twice_leaves_the_dead_run_out_of_th
         progressed = await stats_until(
             gym,
             lambda s: (
-                s["agent"]["tool_calls"] >= 3
-                and s["model"]["ledger_entries"] > restored_rows
+                s["agent"]["tool_calls"] >= 3 and s["model"]["ledger_entries"] > restored_rows
             ),
             "the replacements to make progress",
         )

@@ -123,9 +123,7 @@ async def test_a_retired_episode_stops_everywhere_and_leaves_nothing_behind(
         after = await gym.stats()
         for kind in before:
             assert after[kind]["calls"] == before[kind]["calls"], kind
-        assert (
-            after["model"]["tokens_generated"] == before["model"]["tokens_generated"]
-        )
+        assert after["model"]["tokens_generated"] == before["model"]["tokens_generated"]
         await assert_idle_and_empty(gym, retired_rollouts=1)
 
         # A late duplicate of the retired attempt is refused everywhere.

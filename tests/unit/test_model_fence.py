@@ -56,9 +56,7 @@ async def test_a_call_whose_body_arrives_after_the_retire_is_refused_and_leaves_
         assert orjson.loads(rest.partition(b"\r\n\r\n")[2])["error"]["code"] == "stale_attempt"
         # Nothing was admitted, generated, cut or recorded for the retired attempt.
         assert model.generated == 0
-        assert model.participant.table_sizes() == dict.fromkeys(
-            model.participant.table_sizes(), 0
-        )
+        assert model.participant.table_sizes() == dict.fromkeys(model.participant.table_sizes(), 0)
         assert model.participant.fresh()
     finally:
         await server.stop()

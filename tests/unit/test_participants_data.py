@@ -29,9 +29,6 @@ async def fleet() -> AsyncIterator[LocalFleet]:
     await fleet.stop()
 
 
-
-
-
 async def post(
     http: aiohttp.ClientSession, url: str, data: Any, *, raw: bool = False
 ) -> tuple[int, Any]:

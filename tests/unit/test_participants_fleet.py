@@ -41,9 +41,6 @@ async def start() -> AsyncIterator[Start]:
         await fleet.stop()
 
 
-
-
-
 async def checkpoint(fleet: LocalFleet, cid: str, where: Path, scope: list[EpisodeId]) -> None:
     """Prepare in order, then commit everywhere (the controller's duty)."""
     for kind in KIND_ORDER:

@@ -29,9 +29,7 @@ def test_hold_names_the_result_by_episode_and_digest_of_its_sorted_json() -> Non
     h = held()
     receipt = h.hold(EpisodeId("r1", 2), R1)
     data = orjson.dumps(R1, option=orjson.OPT_SORT_KEYS)
-    assert receipt == Receipt(
-        rollout_id="r1", attempt=2, digest=hashlib.sha256(data).hexdigest()
-    )
+    assert receipt == Receipt(rollout_id="r1", attempt=2, digest=hashlib.sha256(data).hexdigest())
     assert result_digest({"steps": [1, 2], "reward": 1.0, "task_id": "t1"}) == receipt.digest
     assert (len(h), h.bytes) == (1, len(data))
     assert [(x.receipt, x.result) for x in h.collect()] == [(receipt, R1)]

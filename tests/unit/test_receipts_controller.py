@@ -142,9 +142,7 @@ async def test_a_checkpoint_carries_unacknowledged_results_into_a_fresh_process(
     acked = await finish(p, EpisodeId("r2"), {"reward": 2})
     await ctl.handle("ack", {"receipts": wire([acked])})
     await ctl.handle("prepare", body("c1"))
-    committed = await ctl.handle(
-        "commit", body("c1", checkpoint_dir=str(tmp_path), episode_ids=[])
-    )
+    committed = await ctl.handle("commit", body("c1", checkpoint_dir=str(tmp_path), episode_ids=[]))
     assert (committed["episode_ids"], committed["results"]) == ([], 1)
     await ctl.handle("resume", body("c1"))
 

@@ -65,7 +65,9 @@ def test_errors_survive_pickling_and_the_wire() -> None:
     assert isinstance(err, StaleCheckpoint) and err.detail == "old"
     again = error_from_body(409, err.to_body())
     assert isinstance(again, StaleCheckpoint)
-    cf = pickle.loads(pickle.dumps(CoordinationFailed("x", operation="prepare", failures={"a": {}})))
+    cf = pickle.loads(
+        pickle.dumps(CoordinationFailed("x", operation="prepare", failures={"a": {}}))
+    )
     assert cf.operation == "prepare" and cf.failures == {"a": {}}
     assert error_from_body(500, "boom").code == "invalid_request"
 
