@@ -191,9 +191,8 @@ def one(coord: Any, hosts: list[Any], mode: str, where: str) -> dict[str, float]
     captured = 0
     if mode == "async":
         pending = gym.checkpoint(where, commit_s=600.0, durability="async")
-        captured = pending.result.total_bytes
         capture_growth = sum(ray.get([h.rss_at_resume.remote() for h in hosts]))
-        pending.durable()
+        captured = pending.durable().captured_bytes
     else:
         gym.checkpoint(where, commit_s=600.0)
     end = time.time()

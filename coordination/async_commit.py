@@ -28,7 +28,7 @@ from coordination.calls import coordination_failed
 from coordination.checkpoint import manifest_bytes
 from coordination.fanout import failure, fan_out
 from coordination.hosts import Host
-from coordination.replies import as_mapping
+from coordination.replies import as_mapping, int_or_none
 from coordination.results import DurableResult
 from coordination.timeline import COORDINATOR_ROW
 from ray_ckpt.errors import CheckpointError, InvalidRequest
@@ -79,6 +79,7 @@ async def confirm_durable(
         manifest_s=time.monotonic() - m_start,
         bytes=written,
         total_bytes=sum(written.values()),
+        captured_bytes=sum(int_or_none(r.get("captured_bytes")) or 0 for r in out.replies.values()),
     )
 
 

@@ -183,9 +183,9 @@ async def commit(
                 seconds=time.monotonic() - start,
                 manifest_s=0.0,
                 timings=out.timings,
-                bytes={
-                    k: int_or_none(r.get("captured_bytes")) or 0 for k, r in out.replies.items()
-                },
+                # Nothing written yet; the copies' size is measured after the
+                # resume (`DurableResult.captured_bytes`).
+                bytes={k: 0 for k in out.replies},
                 episode_ids=exported,
                 continued=continued,
                 restart=restart,

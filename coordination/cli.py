@@ -178,7 +178,8 @@ def _checkpoint_async(
     if not as_json:
         click.echo(
             f"resumed after {resumed_s:.3f}s: {res.checkpoint_id} captured "
-            f"{res.total_bytes} bytes from {len(res.timings)} participants; writing…"
+            f"{sum(map(len, res.episode_ids.values()))} episodes from {len(res.timings)} "
+            "participants; writing…"
         )
     done = pending.durable()
     durable_s = time.monotonic() - started
@@ -187,7 +188,7 @@ def _checkpoint_async(
         return
     click.echo(
         f"durable after {durable_s:.3f}s: {done.checkpoint_id} → {done.checkpoint_dir}, "
-        f"{done.total_bytes} bytes"
+        f"{done.total_bytes} bytes (the capture held {done.captured_bytes})"
     )
 
 

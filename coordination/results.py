@@ -89,6 +89,9 @@ class DurableResult(msgspec.Struct, frozen=True, kw_only=True):
     manifest_s: float
     bytes: dict[str, int]  # participant → bytes of its records object
     total_bytes: int
+    # The captured copies' own memory, summed (measured by each write, after
+    # the resume: `ray_ckpt.control.capture`).
+    captured_bytes: int = 0
 
 
 class RestoreResult(msgspec.Struct, frozen=True, kw_only=True):

@@ -37,7 +37,6 @@ class Pending:
     checkpoint_id: str
     write: Write
     begin: Callable[[], asyncio.Task[Any]]  # starts the store write
-    captured_bytes: int
     task: asyncio.Task[Any] | None = None
 
 
@@ -104,6 +103,7 @@ class BackgroundWrites:
             outcome = {
                 **self._replies.pop(cid, {}),
                 "manifest": to_builtins(task.result()),
+                "captured_bytes": pending.write.captured_bytes,
                 "spans": pending.write.span_dicts(),  # the write's own slice now included
             }
             outcome.pop("pending", None)
@@ -142,11 +142,12 @@ class BackgroundWrites:
         return dict(found)
 
     def status(self) -> dict[str, Any] | None:
-        """The write in flight, for `status` (None when none runs)."""
+        """The write in flight, for `status` (None when none runs);
+        `captured_bytes` is None until the write has measured the copy."""
         busy = self.busy()
         if busy is None or self.current is None:
             return None
-        return {"checkpoint_id": busy, "captured_bytes": self.current.captured_bytes}
+        return {"checkpoint_id": busy, "captured_bytes": self.current.write.captured_bytes}
 
     async def aclose(self) -> None:
         """Stop the write in flight (a host that stops publishes nothing half-done)."""

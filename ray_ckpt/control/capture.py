@@ -1,37 +1,51 @@
 """The asynchronous commit's capture: a true copy of each exported state, cheap.
 
-The capture runs while admission is closed, so its cost is the pause.  It
-copies the containers (dict and list, key order kept) and shares the leaves:
-every leaf `check_json` admits (None, bool, int, float, str, bytes) is
-immutable, so once the containers are copied no later change of the live
-state can reach what is written.  The store then encodes, hashes and writes
-the copy in the background, pipelined like the synchronous commit.
+The capture runs while admission is closed, so its cost is the pause; what
+can wait for the resume, waits.
 
-The check is `check_json`'s (its level-by-level walk, which here also adds up
-the containers' sizes); the copy is `msgspec.to_builtins`, in C, which given
-only dicts, lists and those leaves rebuilds every dict and list and returns
-the leaves themselves (bytes kept as bytes).
+Under the pause (`capture`): `msgspec.to_builtins`, in C, rebuilds every
+dict and list (key order kept) and hands back the immutable leaves (None,
+bool, int, float, str, bytes) themselves, so no later change of the live
+state can reach the copy.  It converts what is not plain (a set to a list, an
+Enum member to its value, a dataclass to a dict, a datetime to a string) and
+refuses the rest (the hook); `copy == state`, again in C, then shows whether
+it converted anything that would come back different: a set, a plain Enum
+member, a datetime, a dataclass, a Struct, a bytearray never compare equal
+to what they became.  Any doubt, and the state goes to `check_json` at once,
+whose typed error names the path.
+
+After the resume (`audit`, on the writer's thread, before the encode): the
+copy, private to the write, is walked as `check_json` walks a state: a tuple
+(kept a tuple by the copy), a key that is not a string, an int beyond 64
+bits, nesting deeper than the limit fail the write with `check_json`'s typed
+error (the pending checkpoint fails, nothing is published); the same walk
+adds up the copy's size.
+
+What the two together let through and the synchronous commit refuses: a
+value equal to its plain form, that is a member of an int- or str-valued
+Enum (written as its value) and a subclass of dict or list (written as a
+dict or list).  Each restores equal to what was exported; only its type is
+gone.  Telling them apart needs the per-object walk this split moves out of
+the pause.
 
 Cost, by measurement (this machine, 2 shared cores; one host's share of the
 pause benchmark, 250 text-mix states; medians of 7, ms):
 
-    state    before: check + encode to bytes   copy in Python   now: check + to_builtins
-    350 KB              70                          46-61                 40
-    35 KB                8.6                         5-7                   7.3
+    state     check + copy under the pause   copy + compare   audit, after
+    350 KB             42 (29 + 12)                 9-11             23-29
+    35 KB             6.5                           1.0               5.5
 
-The encode's cost grows with the bytes, the copy's with the containers, so
-the gain is largest for states of long strings (tool outputs, messages).
-
-`captured_bytes` is the copy's own memory: its containers (`sys.getsizeof` of
-the live ones, which it copies), 36 MB for the benchmark's 1,000 x 350 KB
-text states (the encoded capture held 360 MB).  The leaves stay alive while
-the copy does: one the live state replaces during the write is held by the
-copy until the write ends, so at worst the copy holds one state's worth.
+`captured_bytes` is the copy's own memory: its containers (`sys.getsizeof`),
+36 MB for the benchmark's 1,000 x 350 KB text states (an encoded capture
+held 360 MB), measured by the audit.  The leaves stay alive while the copy
+does: one the live state replaces during the write is held by the copy
+until the write ends, so at worst the copy holds one state's worth.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 import msgspec
 
@@ -39,27 +53,49 @@ from ray_ckpt.storage.record import Record, check_json, plain_size
 
 
 class NotPlain(Exception):
-    """The state holds something `check_json` refuses."""
+    """The state holds something the fast copy does not vouch for."""
 
 
-def copy_state(value: Any) -> tuple[Any, int]:
-    """(a copy of `value` no change of `value` can reach, the copy's own bytes).
-
-    Raises `NotPlain` for anything `check_json` would refuse."""
-    size = plain_size(value)
-    if size is None:
-        raise NotPlain
-    # Only dicts, lists and immutable leaves are left: msgspec rebuilds every
-    # dict and list (keys in order) and hands back the leaves themselves.
-    return msgspec.to_builtins(value, builtin_types=(bytes,)), size
+def _refuse(value: Any) -> NoReturn:
+    raise NotPlain
 
 
-def capture(record: Record) -> tuple[Record, int]:
-    """`record` with a true copy of its state, and the copy's size; a state
-    `check_json` refuses raises `InvalidCheckpointState` naming the path."""
+def copy_state(value: Any) -> Any:
+    """A copy of `value` no change of `value` can reach, equal to it.
+
+    Raises `NotPlain` when the copy had to change something (or could not
+    be made): the caller then asks `check_json`."""
     try:
-        state, size = copy_state(record.state)
+        copy = msgspec.to_builtins(value, builtin_types=(bytes,), enc_hook=_refuse)
+        same = copy == value
+    except Exception:  # the hook's refusal, msgspec's, a comparison that raised
+        raise NotPlain from None
+    if not same:
+        raise NotPlain
+    return copy
+
+
+def capture(record: Record) -> Record:
+    """`record` with a true copy of its state; a state `check_json` refuses
+    raises `InvalidCheckpointState` naming the path."""
+    try:
+        state = copy_state(record.state)
     except NotPlain:
+        # Only a state `check_json` admits gets here (a NaN at the top level
+        # is not equal to itself): the copy of it is exact.
         check_json(record.state, episode=record.key)
-        raise AssertionError("check_json admitted what plain_size refused") from None
-    return Record(record.key, state, record.version), size
+        state = msgspec.to_builtins(record.state, builtin_types=(bytes,))
+    return Record(record.key, state, record.version)
+
+
+def audit(records: Sequence[Record]) -> int:
+    """The captured copies' own bytes; raises `check_json`'s typed error for
+    the first that is not plain.  Reads only the copies (thread-safe)."""
+    total = 0
+    for r in records:
+        size = plain_size(r.state)
+        if size is None:
+            check_json(r.state, episode=r.key)
+            raise AssertionError("check_json admitted what plain_size refused")
+        total += size
+    return total

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ray_ckpt.control.capture import capture
+from ray_ckpt.control.capture import audit, capture
 from ray_ckpt.control.phase_machine import Phase
 from ray_ckpt.control.timing import within
 from ray_ckpt.control.wire import MAX_REPORTED_BLOCKERS, CommitRequest, to_builtins
@@ -58,8 +58,10 @@ class Write:
     scope: CommitScope
     records: list[Record]
     stop: StopHandle
-    # What an asynchronous commit's capture refers to (`capture.copy_state`).
-    captured_bytes: int = 0
+    # An asynchronous commit's capture: its copies are audited (and their
+    # size measured) by the write, after the resume (`capture.audit`).
+    captured: bool = False
+    captured_bytes: int | None = None
     task: asyncio.Task[Any] | None = None
     # Set once the records are durable (the phase is then committed); the
     # release steps after it may still fail and be retried with the same ID.
@@ -123,13 +125,12 @@ class Commits:
             # Held results (completion receipts) are never work in a scope:
             # they go into every checkpoint while unacknowledged.
             records = [r for r in records if r.key in wanted or is_result_key(r.key)]
-        size = 0
         if capture:
-            records, size = await captured(records)
+            records = await captured(records)
         else:
             for record in records:
                 check_json(record.state, episode=record.key)
-        write = Write(req.checkpoint_dir, scope, records, c.store.new_stop(), size)
+        write = Write(req.checkpoint_dir, scope, records, c.store.new_stop(), captured=capture)
         write.spans.append(("capture", started, c.clock.now()))
         return write
 
@@ -145,7 +146,8 @@ class Commits:
             started = c.clock.now()
             task = write.task = asyncio.ensure_future(
                 asyncio.to_thread(
-                    c.store.write,
+                    self._audited_write,
+                    write,
                     req.checkpoint_dir,
                     kind=c.kind,
                     instance=c.instance,
@@ -157,6 +159,14 @@ class Commits:
             # Encode, hash, write, fsync and publish: the store does them as one.
             task.add_done_callback(lambda _t: write.spans.append(("write", started, c.clock.now())))
         return task
+
+    def _audited_write(self, write: Write, checkpoint_dir: str, **kw: Any) -> Any:
+        """The store write, on its thread; an asynchronous capture's copies
+        are audited first (`capture.audit`: a copy that is not plain fails
+        the write with the typed error, before a byte is written)."""
+        if write.captured and write.captured_bytes is None:
+            write.captured_bytes = audit(write.records)
+        return self._controller.store.write(checkpoint_dir, **kw)
 
     async def finish(self, req: CommitRequest, scope: CommitScope, write: Write) -> dict[str, Any]:
         """Once the write is durable: drop what the scope left out, park the
@@ -199,8 +209,8 @@ class Commits:
             log.warning("%s/%s: park_exported failed", c.kind, c.instance, exc_info=True)
 
 
-async def captured(records: list[Record]) -> tuple[list[Record], int]:
-    """A true copy of each record's state, and the copies' own bytes.
+async def captured(records: list[Record]) -> list[Record]:
+    """A true copy of each record's state (`capture.capture`).
 
     On the event loop, not a thread: a copy walks the state in Python, and no
     coroutine of the participant's can change a state halfway through its
@@ -208,7 +218,6 @@ async def captured(records: list[Record]) -> tuple[list[Record], int]:
     answers other calls; the participant is paused, so nothing changes the
     exported states then either (as when they were encoded on a thread)."""
     out: list[Record] = []
-    total = 0
     loop = asyncio.get_running_loop()
     todo = iter(records)
     while True:
@@ -219,13 +228,11 @@ async def captured(records: list[Record]) -> tuple[list[Record], int]:
         with _collector_paused():
             until = loop.time() + _SLICE_S
             for r in todo:
-                rec, size = capture(r)
-                out.append(rec)
-                total += size
+                out.append(capture(r))
                 if loop.time() >= until:
                     break
             else:
-                return out, total
+                return out
         await asyncio.sleep(0)
 
 

@@ -97,16 +97,16 @@ async def _commit_async(
             # scope leaves out cannot change what is written.
             await within(c.clock, req, "release unscoped", c.participant.delete_restored(scope))
         write.released = write.parked = True
-        size = write.captured_bytes
+        # No `captured_bytes` yet: the copy is measured after the resume
+        # (`capture.audit`); the status and the final reply give it.
         reply = {
             "phase": Phase.COMMITTED.value,
             "pending": True,
             **exported_keys(write.records),
-            "captured_bytes": size,
             "spans": write.span_dicts(),
         }
         # Started at the resume (`BackgroundWrites.release`).
-        c._background.adopt(Pending(cid, write, lambda: c._commits.start(write, req), size), reply)
+        c._background.adopt(Pending(cid, write, lambda: c._commits.start(write, req)), reply)
         c.state.fire(Event.COMMIT)
         c.state.cache("commit", cid, reply)
         return dict(reply)

@@ -75,14 +75,11 @@ async def test_pending_then_resume_while_writing_then_the_final_manifest(
     assert reply["phase"] == "committed"
     assert reply["pending"] is True
     assert reply["episode_ids"] == ["r1"]
-    # The copy's own containers: the 1,000-character leaf is shared, not copied.
-    assert 0 < reply["captured_bytes"] < 1000
+    # The copy is measured by the write, after the resume.
+    assert "captured_bytes" not in reply
     st = c.status()
     assert st["writes_in_flight"] == 1
-    assert st["background_write"] == {
-        "checkpoint_id": "c1",
-        "captured_bytes": reply["captured_bytes"],
-    }
+    assert st["background_write"] == {"checkpoint_id": "c1", "captured_bytes": None}
     # The write waits for the resume (the other participants may still be
     # capturing under the same pause) ...
     assert not store.started.is_set()
@@ -92,6 +89,8 @@ async def test_pending_then_resume_while_writing_then_the_final_manifest(
     assert c.status()["phase"] == "idle"
     await started(store)
     assert c.status()["writes_in_flight"] == 1
+    # Measured by the write before it stores a byte.
+    assert c.status()["background_write"]["captured_bytes"] > 0
     # The live state changes after the capture ...
     state["tokens"].append(4)
     state["text"] = "changed"
@@ -103,6 +102,8 @@ async def test_pending_then_resume_while_writing_then_the_final_manifest(
     assert final["phase"] == "committed"
     assert "pending" not in final
     assert final["manifest"]["record_count"] == 1
+    # The copy's own containers: the 1,000-character leaf is shared, not copied.
+    assert 0 < final["captured_bytes"] < 1000
     assert [s["name"] for s in final["spans"]] == ["capture", "write"]
     assert c.status()["writes_in_flight"] == 0
     assert c.status()["background_write"] is None
@@ -238,15 +239,49 @@ async def test_no_change_to_nested_live_state_after_the_capture_reaches_the_file
 async def test_a_state_the_capture_refuses_fails_the_commit_and_changes_nothing(
     tmp_path: pathlib.Path,
 ) -> None:
+    """A state the copy has to change (a set becomes a list) is refused under
+    the pause, with `check_json`'s error."""
     c, p, store = make()
-    p.start("r1", at_boundary=True, state={"turns": [{"ok": 1}, {"bad": (1, 2)}]})
+    p.start("r1", at_boundary=True, state={"turns": [{"ok": 1}, {"bad": {1, 2}}]})
     await c.handle("prepare", body("c1"))
     ck = tmp_path / "ck"
-    with pytest.raises(InvalidCheckpointState, match=r"state\.turns\[1\]\.bad is a tuple"):
+    with pytest.raises(InvalidCheckpointState, match=r"state\.turns\[1\]\.bad is a set"):
         await c.handle("commit", body("c1", checkpoint_dir=str(ck), durability="async"))
     assert c.status()["phase"] == "prepared"
     assert c.status()["writes_in_flight"] == 0
     assert not store.started.is_set()
     assert not ck.exists()
     await c.handle("resume", body("c1"))
+    await c.aclose()
+
+
+async def test_a_copy_the_audit_refuses_fails_the_pending_checkpoint_before_a_byte(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A tuple survives the copy as a tuple: the write's audit, after the
+    resume, refuses it with the typed error naming the path; nothing is
+    written, and the participant takes the next checkpoint."""
+    c, p, store = make()
+    state: dict[str, Any] = {"turns": [{"ok": 1}, {"bad": (1, 2)}]}
+    p.start("r1", at_boundary=True, state=state)
+    await c.handle("prepare", body("c1"))
+    ck = tmp_path / "ck"
+    reply = await c.handle("commit", body("c1", checkpoint_dir=str(ck), durability="async"))
+    assert reply["pending"] is True
+    await c.handle("resume", body("c1"))
+    store.gate.set()
+    with pytest.raises(InvalidCheckpointState, match=r"state\.turns\[1\]\.bad is a tuple"):
+        await c.handle("commit", body("c1", checkpoint_dir=str(ck), durability="async"))
+    assert not store.started.is_set()  # refused before the store was asked
+    assert not ck.exists()
+    assert c.status()["writes_in_flight"] == 0
+    state["turns"][1]["bad"] = [1, 2]
+    await c.handle("prepare", body("c2"))
+    await c.handle("commit", body("c2", checkpoint_dir=str(tmp_path / "ck2"), durability="async"))
+    await c.handle("resume", body("c2"))
+    final = await c.handle(
+        "commit", body("c2", checkpoint_dir=str(tmp_path / "ck2"), durability="async")
+    )
+    assert final["manifest"]["record_count"] == 1
+    assert final["captured_bytes"] > 0
     await c.aclose()
