@@ -18,6 +18,7 @@ import asyncio
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -179,6 +180,11 @@ class FastAPITableServer(_TableServer):
         async def slow(s: float = 1.0) -> dict[str, bool]:
             await asyncio.sleep(s)
             return {"slept": True}
+
+        @api.get("/block")
+        async def block(s: float = 0.1) -> dict[str, int]:
+            time.sleep(s)  # noqa: ASYNC251 -- holds the event loop, as CPU work does
+            return {"pid": os.getpid()}
 
         return api
 

@@ -1,8 +1,10 @@
 """Serving a worker's app on the shared port and its private one.
 
-aiohttp apps: the private port is an ordinary site; the shared port is
-accepted one connection per loop turn (`accept_one_at_a_time`).  ASGI apps:
-uvicorn in the running loop on both sockets, behind `front_asgi`.
+Both kinds: the private port is an ordinary listener; the shared port is
+accepted one connection per loop turn (`accept_one_at_a_time`) and each
+connection handed to the server's own protocol.  aiohttp apps run as an
+`AppRunner`; ASGI apps run in uvicorn in the running loop, behind
+`front_asgi`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -28,7 +31,9 @@ class WorkerServing(Protocol):
     async def stop(self) -> None: ...
 
 
-async def accept_one_at_a_time(runner: web.AppRunner, shared: socket.socket) -> None:
+async def accept_one_at_a_time(
+    protocol: Callable[[], asyncio.BaseProtocol], shared: socket.socket
+) -> None:
     """Accept on the shared port one connection per loop turn.
 
     asyncio's own server accepts every pending connection at once (up to its
@@ -39,8 +44,6 @@ async def accept_one_at_a_time(runner: web.AppRunner, shared: socket.socket) -> 
     Changing the socket's backlog instead would shrink the kernel's queue
     for every worker (`listen` is per socket, not per process)."""
     loop = asyncio.get_running_loop()
-    protocol = runner.server
-    assert protocol is not None
     while True:
         try:
             conn, _ = await loop.sock_accept(shared)
@@ -65,11 +68,17 @@ class _Aiohttp:
 
 
 class _Uvicorn:
-    def __init__(self, server: Any, task: asyncio.Task[None]) -> None:
+    def __init__(
+        self, server: Any, task: asyncio.Task[None], accepting: asyncio.Task[None]
+    ) -> None:
         self.server = server
         self.task = task
+        self.accepting = accepting
 
     async def stop(self) -> None:
+        self.accepting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.accepting
         self.server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):
             await self.task
@@ -82,7 +91,9 @@ async def serve_worker_app(
         runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=WORKER_DRAIN_S)
         await runner.setup()
         await web.SockSite(runner, private).start()
-        accepting = asyncio.get_running_loop().create_task(accept_one_at_a_time(runner, shared))
+        web_server = runner.server
+        assert web_server is not None
+        accepting = asyncio.get_running_loop().create_task(accept_one_at_a_time(web_server, shared))
         return _Aiohttp(runner, accepting)
     import uvicorn
 
@@ -95,10 +106,25 @@ async def serve_worker_app(
         timeout_graceful_shutdown=int(WORKER_DRAIN_S),
     )
     server = uvicorn.Server(config)
-    task = asyncio.get_running_loop().create_task(server.serve(sockets=[shared, private]))
+    # uvicorn listens on the private port only: its asyncio server would take
+    # every pending connection of the shared port at once (a FastAPI worker
+    # grabbed a whole burst of 24 while its sibling stayed idle).
+    loop = asyncio.get_running_loop()
+    task = loop.create_task(server.serve(sockets=[private]))
     while not server.started:
         if task.done():
             task.result()
             raise RuntimeError("uvicorn stopped before it started")
         await asyncio.sleep(0.01)
-    return _Uvicorn(server, task)
+
+    def uvicorn_protocol() -> asyncio.BaseProtocol:
+        # What uvicorn's own listener builds per connection (`Server.startup`):
+        # the connection joins `server_state`, so a graceful stop drains it.
+        protocol_class: Any = config.http_protocol_class
+        made: asyncio.BaseProtocol = protocol_class(
+            config=config, server_state=server.server_state, app_state=server.lifespan.state
+        )
+        return made
+
+    accepting = loop.create_task(accept_one_at_a_time(uvicorn_protocol, shared))
+    return _Uvicorn(server, task, accepting)
