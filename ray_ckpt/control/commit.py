@@ -83,8 +83,15 @@ class Write:
             )
 
     async def halt(self) -> None:
-        """Stop the write; waits only for a publication already under way."""
-        await asyncio.to_thread(self.stop.stop)
+        """Stop the write; waits only for a publication already under way.
+
+        That wait may be an fsync, so it runs on a thread; with no write
+        running (none started, or done: every resume after a commit) nothing
+        holds the stop's lock, and the thread hop would only add latency."""
+        if self.task is None or self.task.done():
+            self.stop.stop()
+        else:
+            await asyncio.to_thread(self.stop.stop)
 
     async def close(self) -> None:
         """Stop the write and wait for its task, whatever its outcome."""
