@@ -3,8 +3,10 @@
 
 ``python -m tests.workers.unmanaged N`` binds one port, forks N processes
 that each serve the tiny table server with the in-process integration (a
-controller each) on it, prints ``URL <base>``, and ends them all when its
-stdin closes.  Settings come as JSON in `RAY_CKPT_TEST_SETTINGS`.
+controller each) on it, prints ``URL <base>`` once every one of them
+serves (before that, one slow to start would leave every connection to the
+others, and the server would look like one process), and ends them all when
+its stdin closes.  Settings come as JSON in `RAY_CKPT_TEST_SETTINGS`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from ray_ckpt.settings import CheckpointSettings
 from tests.servers import SETTINGS_ENV, AiohttpTableServer
 
 
-async def _child(sock_fd: int) -> None:
+async def _child(sock_fd: int, ready_fd: int) -> None:
     import socket
 
     settings = CheckpointSettings.model_validate_json(os.environ.get(SETTINGS_ENV, "{}"))
@@ -28,6 +30,8 @@ async def _child(sock_fd: int) -> None:
     app = server.app()
     install_sidecar(app, server.participant, settings, instance="unmanaged")
     await serve_app(app, socket.socket(fileno=sock_fd), drain_s=0.5)
+    os.write(ready_fd, b"r")
+    os.close(ready_fd)
     await asyncio.Event().wait()
 
 
@@ -36,12 +40,17 @@ def main() -> None:
     sock = bind_socket("127.0.0.1", 0)
     host, port = socket_address(sock)
     children = []
+    ready_r, ready_w = os.pipe()
     for _ in range(workers):
         pid = os.fork()
         if pid == 0:
-            asyncio.run(_child(sock.fileno()))
+            os.close(ready_r)
+            asyncio.run(_child(sock.fileno(), ready_w))
             os._exit(0)
         children.append(pid)
+    os.close(ready_w)
+    for _ in range(workers):
+        assert os.read(ready_r, 1) == b"r", "a worker exited before it served"
     print(f"URL http://{host}:{port}", flush=True)
     sys.stdin.read()
     for pid in children:
