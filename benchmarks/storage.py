@@ -120,7 +120,11 @@ def measure(args: argparse.Namespace, location: str) -> tuple[dict[str, Any], di
             mixes[mix] = {"state_mb": state_mb, **result, **ratios(result)}
     finally:
         loc.remove()
-    total = {k: sum(m[k] for m in mixes.values()) for k in (*SUMMED, *DETAIL)}
+    total = {
+        k: sum(m[k] for m in mixes.values())
+        for k in (*SUMMED, *DETAIL)
+        if all(k in m for m in mixes.values())  # raw_write_plain_s: on disk only
+    }
     # The JSON's top level keeps its promised keys; the other sums are for the table.
     top = {k: v for k, v in total.items() if k not in DETAIL}
     out: dict[str, Any] = {"sessions": args.sessions, "kb": args.kb, **top, **ratios(total)}
@@ -134,7 +138,7 @@ def measure(args: argparse.Namespace, location: str) -> tuple[dict[str, Any], di
     out["mixes"] = mixes
     out["warnings"] = beaten_floors(out)
     out["goals"] = goals(out, {w["figure"] for w in out["warnings"]})
-    return out, {k: total[k] for k in DETAIL}
+    return out, {k: total[k] for k in DETAIL if k in total}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,11 @@
 * raw (the physical floor): the encoded records themselves, pre-encoded
   into the same chunks our writer produces, so the bytes are exactly our
   records file's.  On disk: an `os.write` loop and fsync into a file in the
-  location, read back with `os.read`; on an object store: one obstore put
+  location, each chunk's writeback started as it is written (what our
+  upload does, `ray_ckpt.storage.writeback`: the same kernel work, minus
+  encoding and hashing), read back with `os.read`; `raw_write_plain_s` is
+  the same loop without the writeback hint, for comparison (on this
+  machine it is the slower and the noisier).  On an object store: one obstore put
   of those chunks (multipart, as obstore does a large body best) and a get.
 * raw read + decode (the format's floor for restore): the raw read on one
   thread while this thread walks the frames and decodes each state, with no
@@ -30,6 +34,7 @@ from ray_ckpt.storage.pipeline import CHUNK
 from ray_ckpt.storage.record import Record
 from ray_ckpt.storage.records_format import FRAME, MAGIC, StateEncoder, decode_state
 from ray_ckpt.storage.records_io import records_digest
+from ray_ckpt.storage.writeback import start_writeback
 
 
 def encode_chunks(records: list[Record]) -> list[bytes]:
@@ -61,15 +66,19 @@ class DiskRaw:
     def __init__(self, root: pathlib.Path) -> None:
         self.root = root
 
-    def write(self, key: str, chunks: list[bytes]) -> None:
+    def write(self, key: str, chunks: list[bytes], *, hint: bool = True) -> None:
         path = self.root / key
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
+            offset = 0
             for c in chunks:
                 view = memoryview(c)
                 while view:
                     view = view[os.write(fd, view) :]
+                if hint:
+                    start_writeback(fd, offset, len(c))
+                offset += len(c)
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -40,7 +40,14 @@ SUMMED = (
     "state_mb",
 )
 # Summed over the mixes for the ratios and the table, kept out of the JSON's top level.
-DETAIL = ("records_mb", "full_mb", "inc_mb", "inc_commit_s", "chain_restore_s")
+DETAIL = (
+    "records_mb",
+    "full_mb",
+    "inc_mb",
+    "inc_commit_s",
+    "chain_restore_s",
+    "raw_write_plain_s",  # on disk only
+)
 
 
 def ratios(r: dict[str, float]) -> dict[str, float]:
@@ -107,6 +114,7 @@ COLUMNS = (
     "commit_s",
     "peer_commit_s",
     "raw_write_s",
+    "raw_write_plain_s",
     "restore_s",
     "peer_restore_s",
     "raw_read_s",

@@ -125,6 +125,10 @@ def _one_rep(
 
     def raw() -> None:
         add("raw_write_s", _timed(lambda: loc.raw.write(f"{base}/raw", chunks))[0])
+        if isinstance(loc.raw, DiskRaw):  # the same bytes, without the writeback hint
+            plain = f"{base}/raw-plain"
+            add("raw_write_plain_s", _timed(lambda: loc.raw.write(plain, chunks, hint=False))[0])
+            os.unlink(pathlib.Path(loc.url, plain))
 
     def restore() -> None:
         with PeakRss() as mem:

@@ -30,6 +30,7 @@ from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.storage import durable
 from ray_ckpt.storage.blobs import BlobInfo, BlobMissing, check_key, temp_key
 from ray_ckpt.storage.location import directory_errors
+from ray_ckpt.storage.writeback import start_writeback
 
 _READ_CHUNK = 4 << 20
 
@@ -42,11 +43,14 @@ class _FileUpload:
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data)
+        start = self.size
         self.size += len(view)
         with directory_errors(self._url, "written"):
             while view:
                 n = os.write(self._fd, view)
                 view = view[n:]
+        # The disk starts on this chunk while the next is encoded (`writeback`).
+        start_writeback(self._fd, start, self.size - start)
 
 
 class LocalBlobs:
