@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -15,18 +16,23 @@ from tests.workers.conftest import AUTH, TOKEN, body
 FORWARDED = {FORWARDED_HEADER: "t"}
 
 
-async def test_fastapi_workers_close_together_and_the_host_answers_control(
-    http: aiohttp.ClientSession, tmp_path: Path
-) -> None:
-    spec = ServerSpec(
+def fastapi_on_two_workers(settings: dict[str, Any]) -> ServerSpec:
+    """The FastAPI table server, two workers on one shared port."""
+    return ServerSpec(
         kind="environment",
         name="fastapi",
         factory="tests.servers:fastapi_server",
-        settings={"enabled": True, "control_auth_token": TOKEN, "lease_grace_seconds": 30.0},
+        settings=settings,
         workers=2,
         spreading="shared",
     )
-    host = ParticipantHost(spec)
+
+
+async def test_fastapi_workers_close_together_and_the_host_answers_control(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    settings = {"enabled": True, "control_auth_token": TOKEN, "lease_grace_seconds": 30.0}
+    host = ParticipantHost(fastapi_on_two_workers(settings))
     try:
         await host._ready()
         keys: list[str] = []
@@ -76,14 +82,7 @@ async def test_a_fastapi_worker_waking_to_a_burst_takes_one_connection_at_a_time
     """uvicorn's own listener takes every pending connection when its loop
     wakes: the worker back first from CPU work took a whole burst while its
     sibling, free a moment later, got none."""
-    spec = ServerSpec(
-        kind="environment",
-        name="fastapi",
-        factory="tests.servers:fastapi_server",
-        workers=2,
-        spreading="shared",
-    )
-    host = ParticipantHost(spec)
+    host = ParticipantHost(fastapi_on_two_workers({}))  # checkpointing off: just serving
     try:
         await host._ready()
         assert host.plane is not None
