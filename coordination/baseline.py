@@ -27,12 +27,8 @@ UNATTENDED = frozenset({"periodic", "signal"})
 
 
 def identity(host: Any) -> str | None:
-    """Which process answers for `host`: a Ray actor's ID (a relaunch under
-    the same name is another actor), a test double's own; None: unknown."""
-    handle = getattr(host, "handle", None)
-    actor_id = getattr(handle, "_actor_id", None)
-    if actor_id is not None:
-        return str(actor_id.hex())
+    """Which process answers for `host`: a Ray host's actor ID
+    (`RayHost.identity`), a test double's own; None: unknown (HTTP)."""
     own = getattr(host, "identity", None)
     return own if isinstance(own, str) else None
 

@@ -108,6 +108,15 @@ class RayHost:
     def _died(self) -> None:
         self.gone = True
 
+    @property
+    def identity(self) -> str | None:
+        """Which actor answers (`coordination.baseline`): a relaunch under the
+        same name is another actor.  Ray offers no public accessor on a
+        handle; its ID is fixed for the actor's life, so this one private
+        read stays here, in the one wrapper that owns Ray calls."""
+        actor_id = getattr(self.handle, "_actor_id", None)
+        return None if actor_id is None else str(actor_id.hex())
+
     async def call(self, op: str, body: Mapping[str, Any]) -> dict[str, Any]:
         ref = getattr(self.handle, op).remote(dict(body))
         reply: dict[str, Any] = await _await_ref(ref, f"{op} to {self.member.key}", self._died)

@@ -33,8 +33,19 @@ def test_folders_are_made_with_one_fsync_per_parent(
     assert synced == []
 
 
-def test_an_object_store_has_no_folders_to_make(tmp_path: pathlib.Path) -> None:
-    precreate_participant_dirs("s3://bucket/run/ck", [("environment", "e1")])
+def test_an_object_store_has_no_folders_to_make(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    made: list[list[pathlib.Path]] = []
+    monkeypatch.setattr(durable, "ensure_dirs", lambda paths: made.append(list(paths)))
+    with caplog.at_level(logging.WARNING):
+        precreate_participant_dirs("s3://bucket/run/ck", [("environment", "e1")])
+    # Neither a folder made (under some local path taken from the URL) nor a
+    # failure swallowed: the object store is recognised and left alone.
+    assert made == []
+    assert caplog.records == []
+    precreate_participant_dirs("/abs/ck", [("environment", "e1")])  # the same seam, on disk
+    assert made == [[pathlib.Path("/abs/ck/gym/environment/e1")]]
 
 
 def test_a_failure_is_logged_not_raised(
