@@ -43,14 +43,14 @@ class _FileUpload:
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data)
-        start = self.size
-        self.size += len(view)
+        start, length = self.size, len(view)
+        self.size += length
         with directory_errors(self._url, "written"):
             while view:
                 n = os.write(self._fd, view)
                 view = view[n:]
         # The disk starts on this chunk while the next is encoded (`writeback`).
-        start_writeback(self._fd, start, self.size - start)
+        start_writeback(self._fd, start, length)
 
 
 class LocalBlobs:

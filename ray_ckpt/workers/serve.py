@@ -14,7 +14,7 @@ import contextlib
 import logging
 import socket
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from aiohttp import web
 
@@ -120,11 +120,12 @@ async def serve_worker_app(
     def uvicorn_protocol() -> asyncio.BaseProtocol:
         # What uvicorn's own listener builds per connection (`Server.startup`):
         # the connection joins `server_state`, so a graceful stop drains it.
-        protocol_class: Any = config.http_protocol_class
-        made: asyncio.BaseProtocol = protocol_class(
-            config=config, server_state=server.server_state, app_state=server.lifespan.state
+        return cast(
+            asyncio.BaseProtocol,
+            config.http_protocol_class(  # type: ignore[call-arg]
+                config=config, server_state=server.server_state, app_state=server.lifespan.state
+            ),
         )
-        return made
 
     accepting = loop.create_task(accept_one_at_a_time(uvicorn_protocol, shared))
     return _Uvicorn(server, task, accepting)
