@@ -170,6 +170,10 @@ async def run_preempt(opts: Any, ui: Ui, local: LocalRay) -> tuple[dict[str, Any
                 out["in_flight"] = seen
                 say(f"in flight: {seen.get('episodes', 0)} episodes, send SIGTERM or SIGUSR1")
             await _until_done_or_stopped(rollouts, stopped)
+            if checkpointing is not None:
+                # A signal that came as the last rollouts finished: its
+                # checkpoint is still running; report it, never drop it.
+                await checkpointing.wait()
             await asyncio.gather(*writes)
             if checkpointing is not None:
                 checkpointing.uninstall()
