@@ -17,12 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+from urllib.parse import parse_qs
 
 import orjson
 
 from ray_ckpt.control.routes import (
     CONTROL_ROUTES,
     DEFAULT_MAX_BODY_BYTES,
+    PROCESSES_QUERY,
     BodyTooLarge,
     ControlTarget,
     _Gate,
@@ -100,7 +102,7 @@ class ControlASGIMiddleware:
         op = route[1]
         headers = dict(raw_headers)
         if op is None:
-            await _send(send, *await gate.status())
+            await _send(send, *await gate.status(_asked_port(scope)))
             return
         if gate.declared_too_large(_content_length(headers.get(b"content-length"))):
             await _send(send, *gate.too_large())
@@ -222,6 +224,15 @@ async def _receive_limited(receive: Receive, limit: int) -> bytes | None:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+def _asked_port(scope: Scope) -> int | None:
+    """The local port, if the status call asked for the accepting processes."""
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    server = scope.get("server")
+    if query.get(PROCESSES_QUERY) != ["1"] or not server or server[1] is None:
+        return None
+    return int(server[1])
 
 
 async def _send(

@@ -19,7 +19,7 @@ import orjson
 
 from ray_ckpt import tracing
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
-from ray_ckpt.control.routes import CHECKPOINT_ROUTE_PREFIX
+from ray_ckpt.control.routes import CHECKPOINT_ROUTE_PREFIX, PROCESSES_QUERY
 from ray_ckpt.control.wire import CONTROL_OPERATIONS
 from ray_ckpt.errors import (
     CheckpointError,
@@ -138,10 +138,14 @@ class ControlClient:
     async def status(self) -> dict[str, Any]:
         return await self._request("GET", "status", None, self._timeout_s, None)
 
-    async def status_fresh(self) -> dict[str, Any]:
+    async def status_fresh(self, *, processes: bool = False) -> dict[str, Any]:
         """Status over a connection of its own (never a pooled one), so that on
-        a port several processes accept on, each probe may reach another."""
+        a port several processes accept on, each probe may reach another.
+        `processes`: ask which processes accept on the port (the reply's
+        `accepting_processes`)."""
         url = f"{self.base_url}{CHECKPOINT_ROUTE_PREFIX}/status"
+        if processes:
+            url += f"?{PROCESSES_QUERY}=1"
         connector = aiohttp.TCPConnector(force_close=True)
         try:
             async with (

@@ -13,6 +13,7 @@ or method under the data plane's `/ng-rollout/` prefix.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -22,6 +23,7 @@ import orjson
 from aiohttp import web
 
 from ray_ckpt import tracing
+from ray_ckpt.control.listeners import accepting_processes
 from ray_ckpt.control.wire import CONTROL_OPERATIONS
 from ray_ckpt.errors import CheckpointError, InvalidRequest, Reason
 from ray_ckpt.identity import ROLLOUT_PATH_PREFIX, parse_rollout_path
@@ -40,6 +42,11 @@ CONTROL_ROUTES: dict[str, tuple[str, str | None]] = {
     f"{CHECKPOINT_ROUTE_PREFIX}/status": ("GET", None),
     **{f"{CHECKPOINT_ROUTE_PREFIX}/{op}": ("POST", op) for op in CONTROL_OPERATIONS},
 }
+# `GET .../status?processes=1` adds which processes accept on the port the
+# call came in on (`accepting_processes`, a list of pids, or null where the
+# server cannot tell): how a server run by several unmanaged workers is
+# recognised for sure (ray_ckpt.workers.detect).  A /proc scan, so on request.
+PROCESSES_QUERY = "processes"
 
 
 def is_control_path(path: str) -> bool:
@@ -111,8 +118,9 @@ class _Gate:
             Reason.PAYLOAD_TOO_LARGE, f"control body exceeds {self.max_body_bytes} bytes"
         )
 
-    async def status(self) -> tuple[int, bytes]:
-        return await self._run("status", self._status)
+    async def status(self, port: int | None = None) -> tuple[int, bytes]:
+        """`port`: the local port of a call that asked for the accepting processes."""
+        return await self._run("status", lambda: self._status(port))
 
     async def call(
         self, op: str, body: bytes, carrier: Mapping[str, str] | None = None
@@ -125,8 +133,12 @@ class _Gate:
         with tracing.span(f"ray_ckpt.participant.{op}", attrs, carrier):
             return await self._run(op, lambda: self.target.handle(op, body))
 
-    async def _status(self) -> dict[str, Any]:
-        return self.target.status()
+    async def _status(self, port: int | None) -> dict[str, Any]:
+        reply = self.target.status()
+        if port is not None:
+            pids = await asyncio.to_thread(accepting_processes, port)
+            reply = {**reply, "accepting_processes": pids}
+        return reply
 
     async def _run(
         self, op: str, work: Callable[[], Awaitable[dict[str, Any]]]
@@ -152,6 +164,14 @@ def _json(status: int, body: bytes, allow: str | None = None) -> web.Response:
     if allow is not None:
         resp.headers["Allow"] = allow
     return resp
+
+
+def _asked_port(request: web.Request) -> int | None:
+    """The local port, if the status call asked for the accepting processes."""
+    if request.query.get(PROCESSES_QUERY) != "1" or request.transport is None:
+        return None
+    local = request.transport.get_extra_info("sockname")
+    return local[1] if isinstance(local, tuple) and len(local) >= 2 else None
 
 
 def _auth_values(request: web.Request) -> list[bytes]:
@@ -192,7 +212,7 @@ def _aiohttp_handlers(
     async def status(request: web.Request) -> web.Response:
         if not authorized(request):
             return _json(*gate.unauthorized())
-        return _json(*await gate.status())
+        return _json(*await gate.status(_asked_port(request)))
 
     def operation(op: str) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handler(request: web.Request) -> web.Response:

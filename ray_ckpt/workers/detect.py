@@ -7,12 +7,15 @@ while the others keep serving.  Such a server cannot be checkpointed, so it
 is refused where it joins, at discovery (HTTP) or when a sidecar host first
 reaches it, never half-paused.
 
-The sign: the status of every controller names its process; a managed
-multi-worker server answers every status from its one host (and says
-`workers`).  Probing status over fresh connections, each may land on
-another process; two different processes without `workers` is the refusal.
-A single process can never be refused by it; an unmanaged one escapes only
-if every probe lands on the same process.
+A managed multi-worker server answers every status from its one host (and
+says `workers`).  Otherwise the server is asked which processes accept on
+its port (`accepting_processes`, read from /proc by the server itself): two
+or more is the refusal, and it is certain.  Where the server cannot tell
+(not Linux, an older ray-ckpt), status is probed over fresh connections,
+each of which may land on another process; two different processes named
+is the refusal.  That is chance: on a loaded machine the kernel hands most
+connections to the worker it wakes first, and measured on 2 loaded cores,
+24 probes all landed on one of two workers now and then.
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ from typing import Any
 from ray_ckpt.control.client import ControlClient
 from ray_ckpt.errors import InvalidRequest
 
-# Status probes over fresh connections, beyond the first status.  Measured
-# on 2 loaded cores against two processes on one port: in 60 series of 13
-# probes, 3 had 12 land on the same process, so 13 let about one series in
-# a hundred through; 24 take some 0.1 s at discovery and make that rare.
+# Status probes over fresh connections, beyond the first status, where the
+# server cannot name its accepting processes.  Measured on 2 loaded cores
+# against two processes on one port: in 60 series of 13 probes, 3 had 12
+# land on the same process; 24 take some 0.1 s at discovery.
 PROCESS_PROBES = 24
 
 
@@ -36,20 +39,34 @@ class UnmanagedWorkers(InvalidRequest):
 async def refuse_unmanaged_workers(
     client: ControlClient, first: dict[str, Any], *, probes: int = PROCESS_PROBES, what: str = ""
 ) -> None:
-    """Raise `UnmanagedWorkers` if status answers name two processes."""
+    """Raise `UnmanagedWorkers` if the server runs several unmanaged processes."""
     if "workers" in first:
         return  # one host answers for all its workers
-    seen = {first.get("process")}
+    asked = await client.status_fresh(processes=True)
+    if "workers" in asked:
+        return
+    accepting = asked.get("accepting_processes")
+    if isinstance(accepting, list):
+        if len(accepting) > 1:
+            raise _refusal(what or client.base_url, [str(p) for p in accepting])
+        return
+    seen = {first.get("process"), asked.get("process")}
     for _ in range(probes):
+        if len({p for p in seen if isinstance(p, str)}) > 1:
+            break
         status = await client.status_fresh()
         if "workers" in status:
             return
         seen.add(status.get("process"))
-        named = sorted(p for p in seen if isinstance(p, str))
-        if len(named) > 1:
-            raise UnmanagedWorkers(
-                f"{what or client.base_url} runs several worker processes, each with its "
-                f"own checkpoint controller (seen {named}): a prepare would pause one "
-                "worker while the others serve.  Run it under one ParticipantHost with "
-                "workers=N (ray_ckpt.workers), or with one worker."
-            )
+    named = sorted(p for p in seen if isinstance(p, str))
+    if len(named) > 1:
+        raise _refusal(what or client.base_url, named)
+
+
+def _refusal(what: str, processes: list[str]) -> UnmanagedWorkers:
+    return UnmanagedWorkers(
+        f"{what} runs several worker processes, each with its own checkpoint "
+        f"controller (seen {processes}): a prepare would pause one worker while "
+        "the others serve.  Run it under one ParticipantHost with workers=N "
+        "(ray_ckpt.workers), or with one worker."
+    )
