@@ -25,7 +25,12 @@ driver's blocking `ray.get`):
   from such an actor, without the coordinator (the participants' work,
   their commits' fsyncs included, plus the round trips), so
   `coordinator_own_s` = cycle_s - participants_direct_s is the coordinator's
-  own share: the driver's call, the journal, the Gym manifest, its bookkeeping.
+  own share: the driver's call, the journal, the Gym manifest, its bookkeeping;
+- `driver_direct_s`: the same calls made from the driver, the floor's own
+  vantage point.  `participants_over_floor` = driver_direct_s / floor_s is a
+  lower bound on `cycle_over_floor`: a coordinator that cost nothing would
+  still wait for them.  `cycle_over_participants` = cycle_s / driver_direct_s
+  is what the coordinator itself multiplies the cycle by.
 
 `cycle_over_fanout` = cycle_s / (9 * fanout_s) is kept for comparison with earlier runs; it divides
 by nine fan-outs to all P, while eight of the nine steps reach only P/4, so it
@@ -224,14 +229,32 @@ def run_one(p: int, reps: int, workdir: str, journal: str = "gcs") -> dict[str, 
         where = os.path.join(workdir, f"direct-{p}-{tag}")
         return float(ray.get(probe.direct.remote(groups, hosts, f"direct-{tag}", where)))
 
+    def driver_direct(tag: str) -> float:
+        """The cycle's own calls from the floor's vantage point (the driver's
+        blocking `ray.get`): what any coordinator must wait for at least."""
+        cid = f"driver-{tag}"
+        body = {"checkpoint_id": cid, "deadline_ts": time.time() + 60}
+        where = os.path.join(workdir, f"driver-{p}-{tag}")
+        commit = {**body, "checkpoint_dir": where, "episode_ids": None, "stop": False}
+        start = time.perf_counter()
+        for group in groups:
+            ray.get([h.prepare.remote(body) for h in group])
+        ray.get([h.commit.remote(commit) for h in hosts])
+        for group in groups[::-1]:
+            ray.get([h.resume.remote(body) for h in group])
+        return time.perf_counter() - start
+
     cycle("warm"), rtt(), fanout(), floor(), actor_floor(), direct("warm")
+    driver_direct("warm")
     cycles, rtts, fanouts, floors, actor_floors, directs = [], [], [], [], [], []
+    driver_directs = []
     for i in range(reps):  # interleaved, so drift hits them all alike
         rtts.append(rtt())
         fanouts.append(fanout())
         floors.append(floor())
         actor_floors.append(actor_floor())
         directs.append(direct(str(i)))
+        driver_directs.append(driver_direct(str(i)))
         cycles.append(cycle(str(i)))
         progress(f"P={p} rep {i + 1}/{reps}: cycle {cycles[-1] * 1e3:.1f} ms")
     for h in hosts:
@@ -241,6 +264,7 @@ def run_one(p: int, reps: int, workdir: str, journal: str = "gcs") -> dict[str, 
     cycle_s, fanout_s = statistics.median(cycles), statistics.median(fanouts)
     floor_s, actor_floor_s = statistics.median(floors), statistics.median(actor_floors)
     direct_s = statistics.median(directs)
+    driver_direct_s = statistics.median(driver_directs)
     return {
         "participants": p,
         "cycle_s": cycle_s,
@@ -253,6 +277,9 @@ def run_one(p: int, reps: int, workdir: str, journal: str = "gcs") -> dict[str, 
         "cycle_over_actor_floor": cycle_s / actor_floor_s,
         "participants_direct_s": direct_s,
         "coordinator_own_s": cycle_s - direct_s,
+        "driver_direct_s": driver_direct_s,
+        "participants_over_floor": driver_direct_s / floor_s,
+        "cycle_over_participants": cycle_s / driver_direct_s,
     }
 
 
@@ -321,7 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     header = (
         f"{'P':>4}  {'cycle ms':>9}  {'rtt ms':>7}  {'fanout ms':>9}  {'floor ms':>9}  "
         f"{'cycle/floor':>11}  {'cycle/(9*fanout)':>16}  {'actor floor ms':>14}  "
-        f"{'cycle/actor floor':>17}  {'direct ms':>9}  {'coordinator ms':>14}"
+        f"{'cycle/actor floor':>17}  {'direct ms':>9}  {'coordinator ms':>14}  "
+        f"{'driver direct ms':>16}  {'direct/floor':>12}  {'cycle/direct':>12}"
     )
     print(header if not args.json else "", file=sys.stdout if not args.json else sys.stderr)
     for r in runs:
@@ -330,7 +358,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{r['fanout_s'] * 1e3:>9.2f}  {r['floor_s'] * 1e3:>9.2f}  "
             f"{r['cycle_over_floor']:>11.2f}  {r['cycle_over_fanout']:>16.2f}  "
             f"{r['actor_floor_s'] * 1e3:>14.2f}  {r['cycle_over_actor_floor']:>17.2f}  "
-            f"{r['participants_direct_s'] * 1e3:>9.1f}  {r['coordinator_own_s'] * 1e3:>14.1f}"
+            f"{r['participants_direct_s'] * 1e3:>9.1f}  {r['coordinator_own_s'] * 1e3:>14.1f}  "
+            f"{r['driver_direct_s'] * 1e3:>16.1f}  {r['participants_over_floor']:>12.2f}  "
+            f"{r['cycle_over_participants']:>12.2f}"
         )
         print(line, file=sys.stderr if args.json else sys.stdout)
     if args.json:
