@@ -2,12 +2,14 @@
 
 * raw (the physical floor): the encoded records themselves, pre-encoded
   into the same chunks our writer produces, so the bytes are exactly our
-  records file's.  On disk: an `os.write` loop and fsync into a file in the
-  location, each chunk's writeback started as it is written (what our
-  upload does, `ray_ckpt.storage.writeback`: the same kernel work, minus
-  encoding and hashing), read back with `os.read`; `raw_write_plain_s` is
-  the same loop without the writeback hint, for comparison (on this
-  machine it is the slower and the noisier).  On an object store: one obstore put
+  records file's.  On disk: written and fsynced into a file in the
+  location the way our upload writes (whole 4 MB blocks with O_DIRECT from
+  one aligned buffer, the tail buffered: `ray_ckpt.storage.direct_io`, the
+  same kernel work minus encoding and hashing), read back with `os.read`.
+  For comparison, two buffered `os.write` loops of the same chunks:
+  `raw_write_buffered_s` starting each chunk's writeback as it is written,
+  `raw_write_plain_s` without (on this machine both are fast or 3-4x slower
+  by whether the page cache gets recently freed pages).  On an object store: one obstore put
   of those chunks (multipart, as obstore does a large body best) and a get.
 * raw read + decode (the format's floor for restore): the raw read on one
   thread while this thread walks the frames and decodes each state, with no
@@ -30,6 +32,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from ray_ckpt.storage import Blobs
+from ray_ckpt.storage.direct_io import StreamWriter
 from ray_ckpt.storage.pipeline import CHUNK
 from ray_ckpt.storage.record import Record
 from ray_ckpt.storage.records_format import FRAME, MAGIC, StateEncoder, decode_state
@@ -66,19 +69,28 @@ class DiskRaw:
     def __init__(self, root: pathlib.Path) -> None:
         self.root = root
 
-    def write(self, key: str, chunks: list[bytes], *, hint: bool = True) -> None:
+    def write(self, key: str, chunks: list[bytes], *, mode: str = "direct") -> None:
+        """`direct`: whole blocks around the page cache, as our upload writes
+        (`ray_ckpt.storage.direct_io`); `hint`: buffered, each chunk's
+        writeback started; `plain`: buffered, nothing more."""
         path = self.root / key
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            offset = 0
-            for c in chunks:
-                view = memoryview(c)
-                while view:
-                    view = view[os.write(fd, view) :]
-                if hint:
-                    start_writeback(fd, offset, len(c))
-                offset += len(c)
+            if mode == "direct":
+                out = StreamWriter(fd)
+                for c in chunks:
+                    out.write(c)
+                out.finish()
+            else:
+                offset = 0
+                for c in chunks:
+                    view = memoryview(c)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                    if mode == "hint":
+                        start_writeback(fd, offset, len(c))
+                    offset += len(c)
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -46,6 +46,7 @@ DETAIL = (
     "inc_mb",
     "inc_commit_s",
     "chain_restore_s",
+    "raw_write_buffered_s",  # on disk only
     "raw_write_plain_s",  # on disk only
 )
 
@@ -114,6 +115,7 @@ COLUMNS = (
     "commit_s",
     "peer_commit_s",
     "raw_write_s",
+    "raw_write_buffered_s",
     "raw_write_plain_s",
     "restore_s",
     "peer_restore_s",

@@ -20,6 +20,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from storage_baselines import (
@@ -125,10 +126,12 @@ def _one_rep(
 
     def raw() -> None:
         add("raw_write_s", _timed(lambda: loc.raw.write(f"{base}/raw", chunks))[0])
-        if isinstance(loc.raw, DiskRaw):  # the same bytes, without the writeback hint
-            plain = f"{base}/raw-plain"
-            add("raw_write_plain_s", _timed(lambda: loc.raw.write(plain, chunks, hint=False))[0])
-            os.unlink(pathlib.Path(loc.url, plain))
+        if isinstance(loc.raw, DiskRaw):  # the same bytes through the page cache
+            for mode, name in (("hint", "raw_write_buffered_s"), ("plain", "raw_write_plain_s")):
+                other = f"{base}/raw-{mode}"
+                loc.settle()
+                add(name, _timed(partial(loc.raw.write, other, chunks, mode=mode))[0])
+                os.unlink(pathlib.Path(loc.url, other))
 
     def restore() -> None:
         with PeakRss() as mem:

@@ -4,7 +4,8 @@ Each `Blobs` guarantee is kept with the durable steps of `durable.py`:
 
 - `create`: temp file, fsync, hard link to the final name (create-only: of
   two racing writers exactly one links), directory fsync;
-- `upload`: the stream goes into a temp file; on a clean exit it is fsynced
+- `upload`: the stream goes into a temp file (whole blocks around the page
+  cache, `direct_io`); on a clean exit it is fsynced
   and hard-linked into place (a taken key raises), then the directory is
   fsynced (or, with `sync_name=False`, by the `create` that follows in the
   same folder); on an exception the temp file is removed and nothing appears;
@@ -29,28 +30,31 @@ from collections.abc import Callable, Iterator, Sequence
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.storage import durable
 from ray_ckpt.storage.blobs import BlobInfo, BlobMissing, check_key, temp_key
+from ray_ckpt.storage.direct_io import StreamWriter
 from ray_ckpt.storage.location import directory_errors
-from ray_ckpt.storage.writeback import start_writeback
 
 _READ_CHUNK = 4 << 20
 
 
 class _FileUpload:
     def __init__(self, fd: int, url: str) -> None:
-        self._fd = fd
         self._url = url
-        self.size = 0
+        self._out = StreamWriter(fd)
+
+    @property
+    def size(self) -> int:
+        return self._out.size
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        view = memoryview(data)
-        start, length = self.size, len(view)
-        self.size += length
         with directory_errors(self._url, "written"):
-            while view:
-                n = os.write(self._fd, view)
-                view = view[n:]
-        # The disk starts on this chunk while the next is encoded (`writeback`).
-        start_writeback(self._fd, start, length)
+            self._out.write(data)
+
+    def finish(self) -> None:
+        with directory_errors(self._url, "written"):
+            self._out.finish()
+
+    def close(self) -> None:
+        self._out.close()
 
 
 class LocalBlobs:
@@ -143,7 +147,12 @@ class LocalBlobs:
         try:
             try:
                 # Not under `_errors`: the caller's own exceptions pass as they are.
-                yield _FileUpload(fd, self._url)
+                up = _FileUpload(fd, self._url)
+                try:
+                    yield up
+                    up.finish()
+                finally:
+                    up.close()
                 durable.fsync_fd(fd, str(tmp))
             finally:
                 os.close(fd)
