@@ -11,8 +11,9 @@ longer pushes the Gym server's own pages out of the cache.
 
 How: the stream is copied into a page-aligned block buffer; each full block
 is written with `O_DIRECT` set on the descriptor (`fcntl`, so block-aligned
-offsets are all it sees); the last partial block is written with the flag
-cleared, through the page cache, so no padding or truncation is needed.  A
+offsets are all it sees), on a thread while the next block fills; the last
+partial block is written with the flag cleared, through the page cache, so
+no padding or truncation is needed.  A
 file smaller than one block never goes direct.  The caller's fsync still
 gives durability (it also flushes the tail and the file's metadata).
 
@@ -29,6 +30,7 @@ import errno
 import fcntl
 import mmap
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from ray_ckpt.storage.writeback import start_writeback
 
@@ -53,78 +55,122 @@ def _set_direct(fd: int, on: bool) -> bool:
     return True
 
 
-def _write_all(fd: int, data: memoryview) -> None:
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while data:
-        data = data[os.write(fd, data) :]
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
 
 
 class StreamWriter:
-    """Writes a stream of chunks to `fd` from offset 0; `finish` before the fsync."""
+    """Writes a stream of chunks to `fd` from offset 0; `finish` before the fsync.
+
+    Two block buffers: while one is written (on a thread of its own, so the
+    disk never waits for the writer to be scheduled again, as it would on a
+    busy machine), the next is filled.  `close` waits for a write in flight
+    before the caller may close `fd`."""
 
     def __init__(self, fd: int, *, direct: bool | None = None) -> None:
         self._fd = fd
         self.size = 0
         self._direct = direct_io_enabled() if direct is None else direct
-        self._buf: mmap.mmap | None = None
+        self._flag_set = False
+        self._free: list[mmap.mmap] = []
+        self._buf: mmap.mmap | None = None  # being filled
         self._fill = 0
+        self._offset = 0  # the file offset of the block being filled
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: tuple[Future[None], mmap.mmap, int] | None = None
         self.direct_bytes = 0  # written around the page cache (for tests and figures)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data).cast("B")
+        pos = self.size  # the file offset of view[0]
         self.size += len(view)
         while view:
             if not self._direct:
-                _write_all(self._fd, view)
+                _pwrite_all(self._fd, view, pos)
                 # The disk starts on this chunk while the next is encoded.
-                start_writeback(self._fd, self.size - len(view), len(view))
+                start_writeback(self._fd, pos, len(view))
                 return
             if self._buf is None:
-                self._buf = mmap.mmap(-1, BLOCK)  # page-aligned, as O_DIRECT needs
+                # Page-aligned, as O_DIRECT needs; at most two ever exist.
+                self._buf = self._free.pop() if self._free else mmap.mmap(-1, BLOCK)
             n = min(len(view), BLOCK - self._fill)
             self._buf[self._fill : self._fill + n] = view[:n]
             self._fill += n
-            view = view[n:]
+            view, pos = view[n:], pos + n
             if self._fill == BLOCK:
-                self._write_block()
+                self._submit()
 
-    def _write_block(self) -> None:
-        assert self._buf is not None
-        block = memoryview(self._buf)
-        self._fill = 0
-        offset = self.direct_bytes
-        if _set_direct(self._fd, True):
-            try:
-                _write_all(self._fd, block)
-                self.direct_bytes += BLOCK
-                return
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                # Refused at the write: nothing was written (the offset stands).
-                os.lseek(self._fd, offset, os.SEEK_SET)
-        self._fall_back(block, offset)
+    def _submit(self) -> None:
+        """Start writing the full block; wait for the one before it first."""
+        buf, offset = self._buf, self._offset
+        assert buf is not None
+        self._buf, self._fill, self._offset = None, 0, offset + BLOCK
+        self._settle()
+        if self._direct and not self._flag_set:
+            self._flag_set = _set_direct(self._fd, True)
+            self._direct = self._flag_set
+        if not self._direct:
+            self._buffered(buf, offset)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ray-ckpt-direct")
+        future = self._pool.submit(_pwrite_all, self._fd, memoryview(buf), offset)
+        self._pending = (future, buf, offset)
 
-    def _fall_back(self, block: memoryview, offset: int) -> None:
-        """Buffered from here on, the block in hand first."""
+    def _settle(self) -> None:
+        """Wait for the write in flight; where O_DIRECT is refused at the write
+        (EINVAL: nothing was written), write that block buffered instead."""
+        if self._pending is None:
+            return
+        future, buf, offset = self._pending
+        self._pending = None
+        try:
+            future.result()
+            self.direct_bytes += BLOCK
+            self._free.append(buf)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self._buffered(buf, offset)
+
+    def _buffered(self, buf: mmap.mmap, offset: int) -> None:
+        """Write a block through the page cache, and every byte after it."""
+        if self._flag_set:
+            _set_direct(self._fd, False)
+            self._flag_set = False
         self._direct = False
-        _set_direct(self._fd, False)
-        _write_all(self._fd, block)
-        start_writeback(self._fd, offset, len(block))
+        _pwrite_all(self._fd, memoryview(buf), offset)
+        start_writeback(self._fd, offset, BLOCK)
+        self._free.append(buf)
 
     def finish(self) -> None:
-        """Write the partial last block (through the page cache) and free the buffer."""
-        if self._buf is None:
-            return
-        if self._fill:
-            _set_direct(self._fd, False)
-            _write_all(self._fd, memoryview(self._buf)[: self._fill])
+        """Wait for the last block's write, write the partial last block
+        through the page cache, free the buffers."""
+        self._settle()
+        if self._buf is not None and self._fill:
+            if self._flag_set:
+                _set_direct(self._fd, False)
+                self._flag_set = False
+            _pwrite_all(self._fd, memoryview(self._buf)[: self._fill], self._offset)
             self._fill = 0
         self.close()
 
     def close(self) -> None:
-        """Free the buffer (a failed stream's, whose file is thrown away)."""
-        buf, self._buf = self._buf, None
-        if buf is not None:
+        """Wait for a write in flight (its error is the failed stream's own
+        business), then free the buffers and the thread."""
+        if self._pending is not None:
+            with contextlib.suppress(Exception):
+                self._pending[0].result()
+            self._free.append(self._pending[1])
+            self._pending = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        buffers = [*self._free, *([self._buf] if self._buf is not None else [])]
+        self._free, self._buf = [], None
+        for buf in buffers:
             # A view of it may still live (a failed write's traceback): freed with it.
             with contextlib.suppress(BufferError):
                 buf.close()

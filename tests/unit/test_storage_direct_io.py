@@ -5,7 +5,9 @@ every way, the file holds exactly the bytes written."""
 from __future__ import annotations
 
 import errno
+import itertools
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -75,20 +77,20 @@ def test_where_o_direct_is_refused_the_rest_goes_buffered(
     """A file system may refuse the flag, or accept it and refuse the write
     (EINVAL either way): the block in hand and everything after are written
     buffered, and nothing is lost or doubled."""
-    real_set, real_write = direct_io._set_direct, os.write
+    real_set, real_pwrite = direct_io._set_direct, os.pwrite
 
     def set_direct(fd: int, on: bool) -> bool:
         return False if (on and refused == "fcntl") else real_set(fd, on)
 
-    def write(fd: int, data: bytes | memoryview) -> int:
+    def pwrite(fd: int, data: bytes | memoryview, offset: int) -> int:
         if refused == "write" and len(data) == BLOCK:
             flags = direct_io.fcntl.fcntl(fd, direct_io.fcntl.F_GETFL)
             if flags & os.O_DIRECT:
                 raise OSError(errno.EINVAL, "Invalid argument")
-        return real_write(fd, data)
+        return real_pwrite(fd, data, offset)
 
     monkeypatch.setattr(direct_io, "_set_direct", set_direct)
-    monkeypatch.setattr(direct_io.os, "write", write)
+    monkeypatch.setattr(direct_io.os, "pwrite", pwrite)
     out = _write(tmp_path / "f", CHUNKS, direct=True)
     assert out.direct_bytes == 0
     assert (tmp_path / "f").read_bytes() == EXPECTED
@@ -139,3 +141,18 @@ def test_a_failed_upload_leaves_nothing(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError):
         fail()
     assert list((tmp_path / "p").iterdir()) == []
+
+
+def test_many_blocks_reuse_two_buffers_and_land_in_order(tmp_path: Path) -> None:
+    """A block is written on a thread while the next fills; five blocks and
+    a tail in uneven chunks come out byte for byte, and no thread is left."""
+    if not _supports_direct(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    data = os.urandom(5 * BLOCK + 4321)
+    cuts = [0, 1, 3 * 1024 * 1024, BLOCK + 7, 3 * BLOCK, 3 * BLOCK + 1, len(data)]
+    chunks: list[bytes | bytearray | memoryview] = [data[a:b] for a, b in itertools.pairwise(cuts)]
+    before = {t.name for t in threading.enumerate()}
+    out = _write(tmp_path / "f", chunks, direct=True)
+    assert (tmp_path / "f").read_bytes() == data
+    assert out.direct_bytes == 5 * BLOCK
+    assert {t.name for t in threading.enumerate()} - before == set()
