@@ -295,8 +295,11 @@ async def test_the_journal_clear_follows_the_reply_and_precedes_the_next_entry(
         assert f.events("prepare") == ORDER  # the first checkpoint's only
         release.set()
         await asyncio.wait_for(second, 5)
-        assert order == ["preparing", "clear", "preparing"]
+        # The second entry after the first clear; the second's own clear is
+        # not waited for by its caller, so it may have landed already.
+        assert order[:3] == ["preparing", "clear", "preparing"]
         await f.core.settle_journal()
+        assert order == ["preparing", "clear", "preparing", "clear"]
         assert not (tmp_path / "coordinator-state.json").exists()
     finally:
         release.set()
