@@ -43,13 +43,15 @@ async def sigkill(fleet: Fleet) -> None:
     for pid in pids.values():
         os.kill(pid, signal.SIGKILL)
 
+    def alive(pid: int) -> bool:
+        # The process may vanish between any two of these calls: gone, then.
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
     async def gone() -> bool:
-        alive = [
-            p
-            for p in pids.values()
-            if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-        ]
-        return not alive
+        return not any(alive(p) for p in pids.values())
 
     await until(gone, f"host processes {pids} to be gone", timeout_s=10)
     for host in fleet.hosts.values():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 
@@ -35,7 +36,7 @@ async def test_relaunch_after_kill_9_reuses_the_names(namespace: str) -> None:
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
         for pid in pids:
-            if psutil.pid_exists(pid):
+            with contextlib.suppress(psutil.NoSuchProcess):  # already gone
                 psutil.Process(pid).wait(timeout=10)
         for handle in fleet.hosts.values():
             with pytest.raises(RayActorError):
