@@ -135,11 +135,14 @@ class StreamWriter:
                 raise
             self._buffered(buf, offset)
 
-    def _buffered(self, buf: mmap.mmap, offset: int) -> None:
-        """Write a block through the page cache, and every byte after it."""
+    def _clear_direct(self) -> None:
         if self._flag_set:
             _set_direct(self._fd, False)
             self._flag_set = False
+
+    def _buffered(self, buf: mmap.mmap, offset: int) -> None:
+        """Write a block through the page cache, and every byte after it."""
+        self._clear_direct()
         self._direct = False
         _pwrite_all(self._fd, memoryview(buf), offset)
         start_writeback(self._fd, offset, BLOCK)
@@ -150,9 +153,7 @@ class StreamWriter:
         through the page cache, free the buffers."""
         self._settle()
         if self._buf is not None and self._fill:
-            if self._flag_set:
-                _set_direct(self._fd, False)
-                self._flag_set = False
+            self._clear_direct()
             _pwrite_all(self._fd, memoryview(self._buf)[: self._fill], self._offset)
             self._fill = 0
         self.close()

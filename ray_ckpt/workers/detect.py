@@ -51,16 +51,16 @@ async def refuse_unmanaged_workers(
             raise _refusal(what or client.base_url, [str(p) for p in accepting])
         return
     seen = {first.get("process"), asked.get("process")}
-    for _ in range(probes):
-        if len({p for p in seen if isinstance(p, str)}) > 1:
-            break
+    for probe in range(probes + 1):
+        named = sorted(p for p in seen if isinstance(p, str))
+        if len(named) > 1:
+            raise _refusal(what or client.base_url, named)
+        if probe == probes:
+            return
         status = await client.status_fresh()
         if "workers" in status:
             return
         seen.add(status.get("process"))
-    named = sorted(p for p in seen if isinstance(p, str))
-    if len(named) > 1:
-        raise _refusal(what or client.base_url, named)
 
 
 def _refusal(what: str, processes: list[str]) -> UnmanagedWorkers:
