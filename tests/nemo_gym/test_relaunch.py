@@ -4,17 +4,16 @@ never over a live one."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 
 import pytest
 from pydantic import SecretStr
-from ray.exceptions import RayActorError
 
 from ray_ckpt.hosting.host import relaunch_host, start_host, stop_host
 from ray_ckpt.hosting.spec import ServerSpec, settings_dict
 from ray_ckpt.settings import CheckpointSettings
+from tests.actors import until_dead
 
 pytestmark = pytest.mark.ray
 
@@ -27,16 +26,6 @@ def spec() -> ServerSpec:
         factory="tests.servers:aiohttp_server",
         settings=settings_dict(settings),
     )
-
-
-async def until_dead(handle: object) -> None:
-    for _ in range(300):
-        try:
-            await asyncio.wait_for(handle.ready.remote(), 30)  # type: ignore[attr-defined]
-        except RayActorError:
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError("the killed host still answers")
 
 
 async def test_relaunch_takes_a_dead_hosts_name_and_refuses_a_live_one(namespace: str) -> None:
