@@ -10,6 +10,7 @@ import ray
 
 from coordination import connect
 from ray_ckpt.errors import CoordinationFailed
+from tests.actors import wait_dead
 from tests.ray.coord_actors import start_host
 
 pytestmark = pytest.mark.ray
@@ -80,6 +81,7 @@ def test_a_member_dead_at_prepare_fails_it_by_name_and_is_gone_from_the_next(
         for key in keys:
             gym.register_actor(*key.split("/"))
         ray.kill(hosts["agent/a"], no_restart=True)
+        wait_dead(hosts["agent/a"])
         with pytest.raises(CoordinationFailed) as info:
             gym.prepare()
         assert set(info.value.failures) == {"agent/a"}
