@@ -59,9 +59,9 @@ def test_checkpoint_order_parallel_groups_pause_and_restore(
     assert env_end <= prep["model/policy"][1]
     assert prep["model/policy"][2] <= prep["agent/agent"][1]
     assert prep["agent/agent"][2] <= prep["resources/res"][1]
-    # ... and the two environments ran together: the group took ~0.4 s, not 0.8 s.
-    env_span = env_end - min(prep[k][1] for k in FLEET[:2])
-    assert env_span < 0.7
+    # ... and the two environments ran together (each takes 0.4 s): each was
+    # called before the other answered.
+    assert max(prep[k][1] for k in FLEET[:2]) < min(prep[k][2] for k in FLEET[:2])
     res = {k: calls(h, "resume")[0] for k, h in hosts.items()}
     assert res["resources/res"][2] <= res["agent/agent"][1]
     assert res["model/policy"][2] <= min(res[k][1] for k in FLEET[:2])
