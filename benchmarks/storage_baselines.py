@@ -31,24 +31,24 @@ import threading
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from ray_ckpt.storage import Blobs
+from ray_ckpt.storage import Blobs, WriteStop
 from ray_ckpt.storage.direct_io import StreamWriter
 from ray_ckpt.storage.pipeline import CHUNK
 from ray_ckpt.storage.record import Record
-from ray_ckpt.storage.records_format import FRAME, MAGIC, StateEncoder, decode_state
-from ray_ckpt.storage.records_io import records_digest
+from ray_ckpt.storage.records_format import FRAME, MAGIC, decode_state
+from ray_ckpt.storage.records_io import encode_records, records_digest
 from ray_ckpt.storage.writeback import start_writeback
 
 
 def encode_chunks(records: list[Record]) -> list[bytes]:
     """Our records file's bytes, cut where our writer cuts them."""
-    enc, chunks, buf = StateEncoder(), [], bytearray(MAGIC)
-    for r in records:
-        enc.append(buf, r.key, r.state)
-        if len(buf) >= CHUNK:
-            chunks.append(bytes(buf))
-            buf = bytearray()
-    chunks.append(bytes(buf))
+    chunks: list[bytes] = []
+
+    class Collect:
+        def put(self, chunk: bytes | bytearray) -> None:
+            chunks.append(bytes(chunk))
+
+    encode_records(Collect(), records, WriteStop())
     return chunks
 
 

@@ -165,15 +165,14 @@ def plan(
             if cand.version == rec.version:
                 refs[rec.key] = cand
             continue
-        frame = bytearray()
         try:
-            encoder.append(frame, rec.key, rec.state)
+            frame = b"".join(encoder.frame(rec.key, rec.state))
         except (TypeError, ValueError, OverflowError):
             continue  # the write refuses it, naming the episode
         if len(frame) == cand.length and digest(frame).hex() == cand.digest:
             refs[rec.key] = cand
         else:
-            encoded[rec.key] = bytes(frame)
+            encoded[rec.key] = frame
     files = {(r.checkpoint, r.records_file): r.file_bytes for r in refs.values()}
     live = sum(r.length for r in refs.values())
     if not refs or live < policy.min_live_fraction * sum(files.values()):
@@ -201,9 +200,8 @@ def same_records(prior: ParticipantManifest, records: Sequence[Record], stop: Wr
         cand = known[rec.key]
         if rec.version is not None and cand.version == rec.version:
             continue
-        frame = bytearray()
         try:
-            encoder.append(frame, rec.key, rec.state)
+            frame = b"".join(encoder.frame(rec.key, rec.state))
         except (TypeError, ValueError, OverflowError):
             return False
         if digest(frame).hex() != cand.digest:

@@ -171,26 +171,22 @@ def _lower(value: Any) -> Any:
 
 
 class StateEncoder:
-    """Appends framed records to a buffer; one per write (not thread-safe)."""
+    """Encodes framed records; one per write (not thread-safe)."""
 
     def __init__(self) -> None:
         self._enc = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 
-    def append(self, buf: bytearray, key: str, state: Any) -> None:
-        """Append one frame for (key, state) to `buf`."""
+    def frame(self, key: str, state: Any) -> tuple[bytes, bytes]:
+        """One frame for (key, state) as two pieces: its header with the key,
+        and the state's MessagePack (joined, the frame's bytes)."""
         key_bytes = key.encode("utf-8")
         if len(key_bytes) > MAX_KEY_BYTES:
             raise ValueError(f"capture key of {len(key_bytes)} bytes is too long")
-        head = len(buf)
-        buf += FRAME.pack(0, 0)
-        buf += key_bytes
-        start = len(buf)
         try:
-            self._enc.encode_into(state, buf, start)
+            body = self._enc.encode(state)
         except (OverflowError, UnicodeEncodeError):
-            del buf[start:]
-            self._enc.encode_into(_lower(state), buf, start)
-        FRAME.pack_into(buf, head, len(key_bytes), len(buf) - start)
+            body = self._enc.encode(_lower(state))
+        return FRAME.pack(len(key_bytes), len(body)) + key_bytes, body
 
     def encode_state(self, state: Any) -> bytes:
         """The MessagePack of one state alone (tests and tools)."""

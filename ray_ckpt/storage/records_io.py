@@ -120,8 +120,14 @@ def encode_records(
     written frame sits."""
     encoder = StateEncoder()
     keys: list[str] = []
-    buf = bytearray(MAGIC)
-    pos = 0  # file offset of buf[0]
+    # Each frame is encoded to bytes of its own, and a chunk's pieces are
+    # joined once it is full: encoding into one growing buffer instead
+    # touched every byte's page fresh (1,000 x 350 KB text: 0.14 s against
+    # 0.03 s for the encode and 0.04 s for the join, whose buffers malloc
+    # recycles).
+    pieces: list[bytes] = [MAGIC]
+    size = len(MAGIC)
+    pos = 0  # file offset of the chunk's first byte
     spans: list[tuple[int, int]] = []
     for rec in records:
         stop.check()
@@ -130,27 +136,32 @@ def encode_records(
             keys.append(rec.key)
             if rec.key in skip:
                 continue
-            start = len(buf)
             frame = encoded.get(rec.key) if encoded is not None else None
             if frame is not None:
-                buf += frame
+                pieces.append(frame)
+                length = len(frame)
             else:
-                encoder.append(buf, rec.key, rec.state)
+                head, body = encoder.frame(rec.key, rec.state)
+                pieces += (head, body)
+                length = len(head) + len(body)
         except (CheckpointError, TypeError, ValueError, OverflowError) as exc:
             raise InvalidCheckpointState(f"episode {rec.key}: cannot store state: {exc}") from exc
         if index is not None:
-            index.spans.append((rec.key, pos + start, len(buf) - start, rec.version))
-            spans.append((start, len(buf)))
-        if len(buf) >= CHUNK:
-            writer.put(buf)
+            index.spans.append((rec.key, pos + size, length, rec.version))
+            spans.append((size, size + length))
+        size += length
+        if size >= CHUNK:
+            chunk = b"".join(pieces)
+            writer.put(chunk)
             if index is not None:
-                index.put(buf, spans)
+                index.put(chunk, spans)
                 spans = []
-            pos += len(buf)
-            buf = bytearray()  # a fresh buffer: the threads still hold the last one
-    writer.put(buf)
+            pos += size
+            pieces, size = [], 0
+    chunk = b"".join(pieces)
+    writer.put(chunk)
     if index is not None:
-        index.put(buf, spans)
+        index.put(chunk, spans)
     if len(set(keys)) != len(keys):
         raise InvalidCheckpointState("records repeat a capture key")
     return keys

@@ -358,15 +358,15 @@ def test_a_stop_during_the_change_check_publishes_nothing(
 
     (full,) = chain(root, 1, versioned=False)
     stop = WriteStop()
-    real = incremental.StateEncoder.append
+    real = incremental.StateEncoder.frame
     seen: list[str] = []
 
-    def append(self: Any, buf: bytearray, key: str, state: Any) -> None:
+    def frame(self: Any, key: str, state: Any) -> tuple[bytes, bytes]:
         seen.append(key)
         stop.stop()  # a resume arrives while the first state is compared
-        real(self, buf, key, state)
+        return real(self, key, state)
 
-    monkeypatch.setattr(incremental.StateEncoder, "append", append)
+    monkeypatch.setattr(incremental.StateEncoder, "frame", frame)
     with pytest.raises(InvalidCheckpointState, match="write stopped"):
         write(root, "ck-1", full.records, full, stop=stop)
     assert seen == ["r000"]  # the check stopped at the next record, not after all of them
