@@ -105,8 +105,11 @@ class FileRecordStore:
                 checkpoint_id=checkpoint_id,
                 records=records,
                 stop=stop,
-                # Every checkpoint full: no previous one to compare with.
-                previous=self._previous(kind, instance) if self._policy.full_every > 1 else None,
+                # Every checkpoint full, or nothing to write: no previous
+                # one to compare with (and no earlier manifests to read).
+                previous=self._previous(kind, instance)
+                if self._policy.full_every > 1 and records
+                else None,
                 policy=self._policy,
                 # Nothing will reference these frames when every checkpoint is full.
                 frame_index=self._policy.full_every > 1,

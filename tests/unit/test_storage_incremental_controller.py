@@ -75,3 +75,25 @@ async def test_a_missing_referenced_file_installs_nothing(tmp_path: Path) -> Non
     assert p.restored == {}
     assert p.admission_open
     assert c.status()["phase"] == "idle"
+
+
+def test_a_commit_with_nothing_to_write_reads_no_earlier_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An idle participant's commit (no episodes) is full by nature: it does
+    not read the last checkpoint's manifests to plan references."""
+    store = FileRecordStore()
+    commit(store, tmp_path, "c0", changed=10)
+
+    def refuse(*_a: object) -> None:
+        raise AssertionError("an empty commit looked up its previous checkpoint")
+
+    monkeypatch.setattr(store, "_previous", refuse)
+    d = str(tmp_path / "c1")
+    m = store.write(
+        d, kind=KIND, instance=INST, checkpoint_id="c1", records=[], stop=store.new_stop()
+    )
+    assert (m.record_count, m.refs, m.chain_depth) == (0, [], 0)
+    # With records, it still plans against the previous one.
+    with pytest.raises(AssertionError, match="previous checkpoint"):
+        commit(store, tmp_path, "c2", changed=1)
