@@ -14,12 +14,13 @@ member, a datetime, a dataclass, a Struct, a bytearray never compare equal
 to what they became.  Any doubt, and the state goes to `check_json` at once,
 whose typed error names the path.
 
-After the resume (`audit`, on the writer's thread, before the encode): the
-copy, private to the write, is walked as `check_json` walks a state: a tuple
-(kept a tuple by the copy), a key that is not a string, an int beyond 64
-bits, nesting deeper than the limit fail the write with `check_json`'s typed
-error (the pending checkpoint fails, nothing is published); the same walk
-adds up the copy's size.
+After the resume (`Audited`, on the writer's thread, each record as the
+store reads it to encode): the copy, private to the write, is walked as
+`check_json` walks a state: a tuple (kept a tuple by the copy), a key that
+is not a string, nesting deeper than the limit fail the write with
+`check_json`'s typed error (the pending checkpoint fails, nothing is
+published, the records object is discarded); the same walk adds up the
+copy's size.
 
 What the two together let through and the synchronous commit refuses: a
 value equal to its plain form, that is a member of an int- or str-valued
@@ -44,8 +45,8 @@ until the write ends, so at worst the copy holds one state's worth.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, NoReturn
+from collections.abc import Iterator, Sequence
+from typing import Any, NoReturn, overload
 
 import msgspec
 
@@ -88,14 +89,56 @@ def capture(record: Record) -> Record:
     return Record(record.key, state, record.version)
 
 
+def audit_one(record: Record) -> int:
+    """One captured copy's own bytes; raises `check_json`'s typed error if it
+    is not plain.  Reads only the copy (thread-safe)."""
+    size = plain_size(record.state)
+    if size is None:
+        check_json(record.state, episode=record.key)
+        raise AssertionError("check_json admitted what plain_size refused")
+    return size
+
+
+class Audited(Sequence[Record]):
+    """The captured records, each audited (`audit_one`) as the write first
+    reads it, not all of them before it starts: the disk then begins with the
+    first record instead of waiting for a walk of every copy (measured in the
+    pause benchmark: that walk, 27 ms per host's share of 1,000 x 350 KB,
+    held the background write's first byte back on four busy hosts).  A copy
+    that is not plain fails the write where it is read; nothing is published
+    (the records object is discarded).  `size` is the copies' bytes once every
+    record was read, None until then.  Read by one thread at a time (the
+    write's); a retried write audits only what the failed one did not."""
+
+    def __init__(self, records: list[Record]) -> None:
+        self._records = records
+        self._done = 0
+        self._total = 0
+        self.size: int | None = None if records else 0
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    @overload
+    def __getitem__(self, index: int) -> Record: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Record]: ...
+
+    def __getitem__(self, index: int | slice) -> Record | Sequence[Record]:
+        # Not a way around the audit: the stores only iterate.
+        return self._records[index]
+
+    def __iter__(self) -> Iterator[Record]:
+        for i, record in enumerate(self._records):
+            if i == self._done:
+                self._total += audit_one(record)
+                self._done += 1
+                if self._done == len(self._records):
+                    self.size = self._total
+            yield record
+
+
 def audit(records: Sequence[Record]) -> int:
-    """The captured copies' own bytes; raises `check_json`'s typed error for
-    the first that is not plain.  Reads only the copies (thread-safe)."""
-    total = 0
-    for r in records:
-        size = plain_size(r.state)
-        if size is None:
-            check_json(r.state, episode=r.key)
-            raise AssertionError("check_json admitted what plain_size refused")
-        total += size
-    return total
+    """The captured copies' own bytes, all at once (`audit_one` each)."""
+    return sum(audit_one(r) for r in records)

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ray_ckpt.control.capture import audit, capture
+from ray_ckpt.control.capture import Audited, capture
 from ray_ckpt.control.phase_machine import Phase
 from ray_ckpt.control.timing import within
 from ray_ckpt.control.wire import MAX_REPORTED_BLOCKERS, CommitRequest, to_builtins
@@ -59,9 +59,10 @@ class Write:
     records: list[Record]
     stop: StopHandle
     # An asynchronous commit's capture: its copies are audited (and their
-    # size measured) by the write, after the resume (`capture.audit`).
+    # size measured) by the write as it reads them, after the resume
+    # (`capture.Audited`).
     captured: bool = False
-    captured_bytes: int | None = None
+    audited: Audited | None = None
     task: asyncio.Task[Any] | None = None
     # Set once the records are durable (the phase is then committed); the
     # release steps after it may still fail and be retried with the same ID.
@@ -71,6 +72,11 @@ class Write:
     # What this write did when, for the coordinator's timeline: (name, start,
     # end) in the controller's clock (epoch seconds), answered with the commit.
     spans: list[tuple[str, float, float]] = field(default_factory=list)
+
+    @property
+    def captured_bytes(self) -> int | None:
+        """The captured copies' bytes, once the write has read all of them."""
+        return self.audited.size if self.audited is not None else None
 
     def span_dicts(self) -> list[dict[str, Any]]:
         return [{"name": n, "start": a, "end": b} for n, a, b in self.spans]
@@ -137,7 +143,14 @@ class Commits:
         else:
             for record in records:
                 check_json(record.state, episode=record.key)
-        write = Write(req.checkpoint_dir, scope, records, c.store.new_stop(), captured=capture)
+        write = Write(
+            req.checkpoint_dir,
+            scope,
+            records,
+            c.store.new_stop(),
+            captured=capture,
+            audited=Audited(records) if capture else None,
+        )
         write.spans.append(("capture", started, c.clock.now()))
         return write
 
@@ -153,27 +166,19 @@ class Commits:
             started = c.clock.now()
             task = write.task = asyncio.ensure_future(
                 asyncio.to_thread(
-                    self._audited_write,
-                    write,
+                    c.store.write,
                     req.checkpoint_dir,
                     kind=c.kind,
                     instance=c.instance,
                     checkpoint_id=req.checkpoint_id,
-                    records=write.records,
+                    # A capture's copies are audited as the store reads them.
+                    records=write.audited if write.audited is not None else write.records,
                     stop=write.stop,
                 )
             )
             # Encode, hash, write, fsync and publish: the store does them as one.
             task.add_done_callback(lambda _t: write.spans.append(("write", started, c.clock.now())))
         return task
-
-    def _audited_write(self, write: Write, checkpoint_dir: str, **kw: Any) -> Any:
-        """The store write, on its thread; an asynchronous capture's copies
-        are audited first (`capture.audit`: a copy that is not plain fails
-        the write with the typed error, before a byte is written)."""
-        if write.captured and write.captured_bytes is None:
-            write.captured_bytes = audit(write.records)
-        return self._controller.store.write(checkpoint_dir, **kw)
 
     async def finish(self, req: CommitRequest, scope: CommitScope, write: Write) -> dict[str, Any]:
         """Once the write is durable: drop what the scope left out, park the

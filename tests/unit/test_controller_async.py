@@ -89,8 +89,8 @@ async def test_pending_then_resume_while_writing_then_the_final_manifest(
     assert c.status()["phase"] == "idle"
     await started(store)
     assert c.status()["writes_in_flight"] == 1
-    # Measured by the write before it stores a byte.
-    assert c.status()["background_write"]["captured_bytes"] > 0
+    # Measured as the write reads the copies: not before (the gate holds it).
+    assert c.status()["background_write"]["captured_bytes"] is None
     # The live state changes after the capture ...
     state["tokens"].append(4)
     state["text"] = "changed"
@@ -255,12 +255,12 @@ async def test_a_state_the_capture_refuses_fails_the_commit_and_changes_nothing(
     await c.aclose()
 
 
-async def test_a_copy_the_audit_refuses_fails_the_pending_checkpoint_before_a_byte(
+async def test_a_copy_the_audit_refuses_fails_the_pending_checkpoint_and_publishes_nothing(
     tmp_path: pathlib.Path,
 ) -> None:
-    """A tuple survives the copy as a tuple: the write's audit, after the
-    resume, refuses it with the typed error naming the path; nothing is
-    written, and the participant takes the next checkpoint."""
+    """A tuple survives the copy as a tuple: the write's audit, as it reads
+    the copies after the resume, refuses it with the typed error naming the
+    path; no file is left, and the participant takes the next checkpoint."""
     c, p, store = make()
     state: dict[str, Any] = {"turns": [{"ok": 1}, {"bad": (1, 2)}]}
     p.start("r1", at_boundary=True, state=state)
@@ -272,8 +272,8 @@ async def test_a_copy_the_audit_refuses_fails_the_pending_checkpoint_before_a_by
     store.gate.set()
     with pytest.raises(InvalidCheckpointState, match=r"state\.turns\[1\]\.bad is a tuple"):
         await c.handle("commit", body("c1", checkpoint_dir=str(ck), durability="async"))
-    assert not store.started.is_set()  # refused before the store was asked
-    assert not ck.exists()
+    # Refused while the store read the records: its temp file is gone too.
+    assert [f for f in ck.rglob("*") if f.is_file()] == []
     assert c.status()["writes_in_flight"] == 0
     state["turns"][1]["bad"] = [1, 2]
     await c.handle("prepare", body("c2"))

@@ -6,6 +6,8 @@ audit measures the copy."""
 
 from __future__ import annotations
 
+import collections
+import enum
 import math
 import sys
 from typing import Any
@@ -13,10 +15,7 @@ from typing import Any
 import msgspec
 import pytest
 
-import collections
-import enum
-
-from ray_ckpt.control.capture import NotPlain, audit, capture, copy_state
+from ray_ckpt.control.capture import Audited, NotPlain, audit, capture, copy_state
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.storage.record import MAX_STATE_DEPTH, Record, check_json
 from ray_ckpt.storage.records_format import StateEncoder
@@ -166,3 +165,24 @@ def test_the_size_is_the_copys_own_containers_not_the_leaves_it_shares() -> None
 def test_capture_keeps_key_and_version() -> None:
     rec = capture(Record("r1", {"a": [1]}, version="7"))
     assert (rec.key, rec.version, rec.state) == ("r1", "7", {"a": [1]})
+
+
+def test_audited_records_are_checked_as_they_are_read_once_each() -> None:
+    good = [capture(Record(f"r{i}", {"i": [i]})) for i in range(3)]
+    bad = capture(Record("r3", {"t": (1,)}))
+    records = Audited([*good, bad, capture(Record("r4", {}))])
+    seen = iter(records)
+    assert next(seen).key == "r0"  # the first is handed on before the rest are walked
+    assert records.size is None
+    with pytest.raises(InvalidCheckpointState, match=r"episode r3: state\.t is a tuple"):
+        list(seen)
+    assert records.size is None
+    # A retried write reads from the start: the audited ones pass, the bad one fails again.
+    with pytest.raises(InvalidCheckpointState, match="episode r3"):
+        list(records)
+    fine = Audited(good)
+    assert [r.key for r in fine] == ["r0", "r1", "r2"]
+    assert fine.size == audit(good) > 0
+    assert [r.key for r in fine] == ["r0", "r1", "r2"]  # read again: measured once
+    assert fine.size == audit(good)
+    assert Audited([]).size == 0
