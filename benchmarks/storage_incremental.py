@@ -13,19 +13,30 @@ Timed in each repetition, interleaved with the full commit and restore:
 * `inc_commit_s`: an incremental commit over `ck-0` with F changed, and the
   bytes it wrote (`inc_mb`: its records object plus its manifest, compared
   with the full commit's records plus manifest in `full_mb`);
-* `chain_restore_s`: a restore of `ck-K`, reading across K + 1 files.
+* `chain_restore_s`: a restore of `ck-K`, reading across K + 1 files;
+* `raw_chain_read_s`: the bytes that restore reads, fetched bare (no hash,
+  no decode), so `raw_chain_over_raw_read` (over `raw_read_s`, the full
+  file read whole) says what the location's ranged reads cost by themselves.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from storage_data import changed
 
-from ray_ckpt.storage import Blobs, open_location, read_participant, write_participant
+from ray_ckpt.storage import (
+    Blobs,
+    load_manifest,
+    open_location,
+    read_participant,
+    write_participant,
+)
 from ray_ckpt.storage.incremental import ChainPolicy, Previous
 from ray_ckpt.storage.participant_manifest import MANIFEST_NAME, participant_key
 from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.referenced import READERS, ranged_reads
 
 KIND, INSTANCE = "bench", "p0"
 DEPTH = ChainPolicy().full_every - 1
@@ -85,3 +96,18 @@ class Chain:
             open_location(self.tip), kind=KIND, instance=INSTANCE, checkpoint_id=None
         )
         return len(restored)
+
+    def raw_tip_read(self) -> int:
+        """The bytes a restore of the tip reads, fetched bare: its own records
+        object whole, and every referenced range as the restore coalesces
+        them, on as many threads, beside it; nothing hashed or decoded.  Over
+        `raw_read_s` (the full file read whole) it says what the location's
+        ranged reads cost, apart from our code."""
+        where = open_location(self.tip)
+        manifest = load_manifest(where, kind=KIND, instance=INSTANCE, checkpoint_id=None)
+        root, reads = ranged_reads(where, manifest)
+        own = f"{participant_key(KIND, INSTANCE)}/{manifest.records_file}"
+        with ThreadPoolExecutor(READERS + 1) as pool:
+            ranges = [pool.submit(root.read_range, *read) for read in reads]
+            got = sum(len(c) for c in where.stream(own))
+            return got + sum(len(f.result()) for f in ranges)

@@ -46,6 +46,7 @@ DETAIL = (
     "inc_mb",
     "inc_commit_s",
     "chain_restore_s",
+    "raw_chain_read_s",
     "raw_write_buffered_s",  # on disk only
     "raw_write_plain_s",  # on disk only
 )
@@ -62,6 +63,8 @@ def ratios(r: dict[str, float]) -> dict[str, float]:
         out["incremental_bytes_ratio"] = r["inc_mb"] / r["full_mb"]
         out["incremental_commit_ratio"] = r["inc_commit_s"] / r["commit_s"]
         out["chain_restore_ratio"] = r["chain_restore_s"] / r["restore_s"]
+    if "raw_chain_read_s" in r:
+        out["raw_chain_over_raw_read"] = r["raw_chain_read_s"] / r["raw_read_s"]
     return out
 
 
@@ -129,6 +132,7 @@ COLUMNS = (
     "inc_mb",
     "inc_commit_s",
     "chain_restore_s",
+    "raw_chain_read_s",
     "commit_ratio",
     "restore_ratio",
     "vs_peer_commit",
@@ -136,6 +140,7 @@ COLUMNS = (
     "incremental_bytes_ratio",
     "incremental_commit_ratio",
     "chain_restore_ratio",
+    "raw_chain_over_raw_read",
 )
 
 

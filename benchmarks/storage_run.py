@@ -147,6 +147,8 @@ def _one_rep(
         if n != len(records):
             raise RuntimeError(f"the chain restored {n} of {len(records)} records")
         add("chain_restore_s", t)
+        loc.settle()
+        add("raw_chain_read_s", _timed(chain.raw_tip_read)[0])
 
     def peer_read() -> None:
         with PeakRss() as mem:

@@ -30,7 +30,7 @@ from ray_ckpt.storage.records_format import FRAME, decode_state, frame_hash
 # and across gaps up to `_GAP` (a few wasted bytes beat one more round trip).
 _MAX_READ = 16 << 20
 _GAP = 1 << 20
-_READERS = 2
+READERS = 2
 _AHEAD = 4  # reads in flight: at most _AHEAD * _MAX_READ bytes held
 
 
@@ -53,7 +53,7 @@ class RefReader:
 
     def __init__(self, here: Blobs, manifest: ParticipantManifest) -> None:
         self._root = root_of(here) if manifest.refs else here
-        self._pool = ThreadPoolExecutor(_READERS, thread_name_prefix="ray-ckpt-refs")
+        self._pool = ThreadPoolExecutor(READERS, thread_name_prefix="ray-ckpt-refs")
         self._pending: deque[Future[tuple[str, list[FrameRef], bytes]]] = deque()
         self._todo = iter(_reads(self._root, manifest))
         # A manifest's references are in its own digest (`incremental.plan`).
@@ -87,6 +87,20 @@ class RefReader:
                             f"corrupt record {ref.key} in {blob_name(self._root, key)}: {exc}"
                         ) from exc
         return kept
+
+
+def ranged_reads(
+    here: Blobs, manifest: ParticipantManifest
+) -> tuple[Blobs, list[tuple[str, int, int]]]:
+    """(root, [(key, start, length)]): the ranged reads a restore of
+    `manifest` (at `here`) makes for its references, coalesced as it makes
+    them.  For baselines (`benchmarks/storage_incremental.py`)."""
+    root = root_of(here) if manifest.refs else here
+    out = []
+    for key, group in _reads(root, manifest):
+        start = group[0].offset
+        out.append((key, start, max(r.offset + r.length for r in group) - start))
+    return root, out
 
 
 def _reads(root: Blobs, manifest: ParticipantManifest) -> list[tuple[str, list[FrameRef]]]:

@@ -35,7 +35,16 @@ PROMISED = (
 )
 S3_ONLY = ("s3_commit_s", "s3_restore_s", "s3_commit_ratio")
 # The top level is a contract: the keys it always had, plus exactly the new ones.
-TOP_LEVEL = {*PROMISED, "check_s", "state_mb", "mixes", "warnings", "goals"}
+TOP_LEVEL = {
+    *PROMISED,
+    "check_s",
+    "state_mb",
+    "mixes",
+    "warnings",
+    "goals",
+    # The chain's ranged reads fetched bare, over the full file read whole.
+    "raw_chain_over_raw_read",
+}
 
 
 def _run(*extra: str) -> dict[str, Any]:
@@ -89,6 +98,8 @@ def test_on_disk_every_promised_figure_and_no_s3_figures(tmp_path: pathlib.Path)
     for mix in out["mixes"].values():
         assert mix["raw_write_buffered_s"] > 0
         assert mix["raw_write_plain_s"] > 0
+        assert mix["raw_chain_read_s"] > 0
+        assert mix["raw_chain_over_raw_read"] > 0  # (rounded inputs: not recomputed here)
     assert set(out["goals"]) == {
         "mixes.text.commit_ratio",
         "incremental_bytes_ratio",
