@@ -66,6 +66,27 @@ class Location:
         _malloc_trim()
         if self.on_disk:
             os.sync()
+            self._evict()
+
+    def _evict(self) -> None:
+        """Drop the location's files from the page cache (clean pages go at
+        once, no root needed): every read starts from the disk.  Our commit
+        and the raw write go around the cache (O_DIRECT), but the chain,
+        written once and read in every repetition, was served from the cache
+        from the second repetition on: its restore looked faster than the
+        full one it is compared with (`chain_restore_ratio` 0.75-0.84 in
+        three runs, 3 GB/s for its bare reads against 0.5 GB/s for the full
+        file)."""
+        for dirpath, _dirs, files in os.walk(self.url):
+            for name in files:
+                try:
+                    fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+                except FileNotFoundError:
+                    continue
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
 
     def remove(self, sub: str = "") -> None:
         if self.on_disk:
