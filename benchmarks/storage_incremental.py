@@ -36,7 +36,7 @@ from ray_ckpt.storage import (
 from ray_ckpt.storage.incremental import ChainPolicy, Previous
 from ray_ckpt.storage.participant_manifest import MANIFEST_NAME, participant_key
 from ray_ckpt.storage.record import Record
-from ray_ckpt.storage.referenced import READERS, ranged_reads
+from ray_ckpt.storage.referenced import READERS, ReadBuffers, ranged_reads
 
 KIND, INSTANCE = "bench", "p0"
 DEPTH = ChainPolicy().full_every - 1
@@ -107,7 +107,16 @@ class Chain:
         manifest = load_manifest(where, kind=KIND, instance=INSTANCE, checkpoint_id=None)
         root, reads = ranged_reads(where, manifest)
         own = f"{participant_key(KIND, INSTANCE)}/{manifest.records_file}"
+        buffers = ReadBuffers()  # reused, as the restore reuses its own
+
+        def bare(key: str, start: int, length: int) -> int:
+            buf = buffers.take(length)
+            try:
+                return len(root.read_range_into(key, start, memoryview(buf)[:length]))
+            finally:
+                buffers.give(buf)
+
         with ThreadPoolExecutor(READERS + 1) as pool:
-            ranges = [pool.submit(root.read_range, *read) for read in reads]
+            ranges = [pool.submit(bare, *read) for read in reads]
             got = sum(len(c) for c in where.stream(own))
-            return got + sum(len(f.result()) for f in ranges)
+            return got + sum(f.result() for f in ranges)

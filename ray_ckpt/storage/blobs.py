@@ -72,6 +72,13 @@ class Blobs(Protocol):
         references; `BlobMissing` if absent."""
         ...
 
+    def read_range_into(self, key: str, start: int, buf: bytearray | memoryview) -> memoryview:
+        """`read_range` of `len(buf)` bytes into `buf`: the view of what was
+        read (shorter if the object ends first).  A restore reuses a few
+        buffers for its many ranged reads, where fresh memory for each would
+        fault every page in anew (costly on a VM: `direct_io`)."""
+        ...
+
     def create(self, key: str, data: bytes) -> bytes | None:
         """Publish `data` at `key` unless taken: None if this call published,
         else the bytes already there (the caller decides if they are equal)."""

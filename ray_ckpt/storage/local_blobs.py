@@ -104,6 +104,21 @@ class LocalBlobs:
             finally:
                 os.close(fd)
 
+    def read_range_into(self, key: str, start: int, buf: bytearray | memoryview) -> memoryview:
+        view = memoryview(buf)
+        with self._errors("read"):
+            try:
+                fd = os.open(self.path(key), os.O_RDONLY)
+            except FileNotFoundError:
+                raise BlobMissing(f"{self._where(key)} is missing") from None
+            try:
+                got = 0
+                while got < len(view) and (n := os.preadv(fd, [view[got:]], start + got)):
+                    got += n
+            finally:
+                os.close(fd)
+        return view[:got]
+
     def _chunks(self, fd: int) -> Iterator[bytes]:
         try:
             with self._errors("read"):

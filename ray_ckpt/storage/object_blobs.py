@@ -129,6 +129,16 @@ class ObjectBlobs:
                 raise BlobMissing(f"{self._where(key)} is missing") from None
             return bytes(got)
 
+    def read_range_into(self, key: str, start: int, buf: bytearray | memoryview) -> memoryview:
+        with self._errors("read"):
+            try:
+                got = obstore.get_range(self._store, check_key(key), start=start, length=len(buf))
+            except FileNotFoundError:
+                raise BlobMissing(f"{self._where(key)} is missing") from None
+            view, n = memoryview(buf), len(got)
+            view[:n] = memoryview(got)
+        return view[:n]
+
     def _chunks(self, result: Any) -> Iterator[bytes]:
         with self._errors("read"):
             for chunk in result.stream(min_chunk_size=_READ_CHUNK):

@@ -82,6 +82,20 @@ def test_missing_key_raises_blob_missing(blobs: Blobs) -> None:
     assert not blobs.exists("nope")
 
 
+def test_read_range_into_fills_the_given_view_and_stops_at_the_end(blobs: Blobs) -> None:
+    data = bytes(range(256)) * 4
+    assert blobs.create("a/records", data) is None
+    buf = bytearray(b"x" * 64)
+    got = blobs.read_range_into("a/records", 100, memoryview(buf)[8:40])
+    assert bytes(got) == data[100:132]
+    assert buf[:8] == b"x" * 8  # only the view is written
+    assert buf[40:] == b"x" * 24
+    tail = blobs.read_range_into("a/records", len(data) - 10, bytearray(64))
+    assert bytes(tail) == data[-10:]  # the object ended first
+    with pytest.raises(BlobMissing):
+        blobs.read_range_into("nope", 0, bytearray(8))
+
+
 def test_upload_streams_and_publishes_on_clean_exit(blobs: Blobs) -> None:
     parts = [os.urandom(1 << 20) for _ in range(5)]
     with blobs.upload("gym/k/i/records-1.msgpack") as up:

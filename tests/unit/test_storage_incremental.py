@@ -18,6 +18,7 @@ from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.storage import (
     open_location,
     read_participant,
+    referenced,
     verify_checkpoint,
     write_gym_manifest,
     write_participant,
@@ -131,6 +132,33 @@ def test_round_trip_through_a_chain_of_depth_k(root: str, versioned: bool) -> No
         }
     assert last.record_count == 20
     assert len(last.refs) + len(last.frames) == 20
+
+
+def test_a_chain_restore_reuses_a_few_read_buffers(
+    root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One ranged read per frame: many reads, each decoded from a reused
+    # buffer that held another frame before; every record still comes back
+    # as written, from at most the reads in flight plus the one decoded.
+    monkeypatch.setattr(referenced, "_MAX_READ", 1)
+    monkeypatch.setattr(referenced, "_GAP", 0)
+    made: list[int] = []
+    real = referenced.ReadBuffers.take
+
+    def take(self: referenced.ReadBuffers, size: int) -> bytearray:
+        buf = real(self, size)
+        if id(buf) not in made:
+            made.append(id(buf))
+        return buf
+
+    monkeypatch.setattr(referenced.ReadBuffers, "take", take)
+    steps = chain(root, 3, n=30, changed=3, gym=False)
+    _, refs_only = read_participant(
+        steps[-1].location, kind=KIND, instance=INST, checkpoint_id=None
+    )
+    assert sorted((r.key, r.state) for r in refs_only) == expected(steps[-1])
+    assert len(steps[-1].manifest.refs) == 27  # 27 reads
+    assert len(made) <= referenced._AHEAD + 1
 
 
 def test_only_the_changed_records_are_written(root: str) -> None:
