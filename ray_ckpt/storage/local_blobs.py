@@ -86,38 +86,34 @@ class LocalBlobs:
     def stream(self, key: str) -> Iterator[bytes]:
         # Opened before the first chunk is asked for, so a missing key raises
         # at the call, not at the first `next`.
-        with self._errors("read"):
-            try:
-                fd = os.open(self.path(key), os.O_RDONLY)
-            except FileNotFoundError:
-                raise BlobMissing(f"{self._where(key)} is missing") from None
-        return self._chunks(fd)
+        return self._chunks(self._open(key))
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
-        with self._errors("read"):
-            try:
-                fd = os.open(self.path(key), os.O_RDONLY)
-            except FileNotFoundError:
-                raise BlobMissing(f"{self._where(key)} is missing") from None
-            try:
+        fd = self._open(key)
+        try:
+            with self._errors("read"):
                 return os.pread(fd, length, start)
-            finally:
-                os.close(fd)
+        finally:
+            os.close(fd)
 
     def read_range_into(self, key: str, start: int, buf: bytearray | memoryview) -> memoryview:
         view = memoryview(buf)
-        with self._errors("read"):
-            try:
-                fd = os.open(self.path(key), os.O_RDONLY)
-            except FileNotFoundError:
-                raise BlobMissing(f"{self._where(key)} is missing") from None
-            try:
-                got = 0
+        got = 0
+        fd = self._open(key)
+        try:
+            with self._errors("read"):
                 while got < len(view) and (n := os.preadv(fd, [view[got:]], start + got)):
                     got += n
-            finally:
-                os.close(fd)
+        finally:
+            os.close(fd)
         return view[:got]
+
+    def _open(self, key: str) -> int:
+        with self._errors("read"):
+            try:
+                return os.open(self.path(key), os.O_RDONLY)
+            except FileNotFoundError:
+                raise BlobMissing(f"{self._where(key)} is missing") from None
 
     def _chunks(self, fd: int) -> Iterator[bytes]:
         try:
