@@ -110,11 +110,9 @@ class Chain:
         buffers = ReadBuffers()  # reused, as the restore reuses its own
 
         def bare(key: str, start: int, length: int) -> int:
-            buf = buffers.take(length)
-            try:
-                return len(root.read_range_into(key, start, memoryview(buf)[:length]))
-            finally:
-                buffers.give(buf)
+            buf, data = buffers.read(root, key, start, length)
+            buffers.give(buf)
+            return len(data)
 
         with ThreadPoolExecutor(READERS + 1) as pool:
             ranges = [pool.submit(bare, *read) for read in reads]

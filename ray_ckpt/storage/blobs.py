@@ -66,17 +66,12 @@ class Blobs(Protocol):
         """The object in chunks, for a streaming verify; `BlobMissing` if absent."""
         ...
 
-    def read_range(self, key: str, start: int, length: int) -> bytes:
-        """`length` bytes from `start` (fewer if the object ends first), one
-        ranged read: an incremental restore fetches only the frames it
-        references; `BlobMissing` if absent."""
-        ...
-
     def read_range_into(self, key: str, start: int, buf: bytearray | memoryview) -> memoryview:
-        """`read_range` of `len(buf)` bytes into `buf`: the view of what was
-        read (shorter if the object ends first).  A restore reuses a few
-        buffers for its many ranged reads, where fresh memory for each would
-        fault every page in anew (costly on a VM: `direct_io`)."""
+        """`len(buf)` bytes from `start` into `buf`, one ranged read: the view
+        of what was read (shorter if the object ends first); `BlobMissing` if
+        absent.  An incremental restore fetches only the frames it
+        references, into a few buffers it reuses: fresh memory for each read
+        would fault every page in anew (costly on a VM: `direct_io`)."""
         ...
 
     def create(self, key: str, data: bytes) -> bytes | None:

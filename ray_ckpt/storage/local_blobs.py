@@ -88,14 +88,6 @@ class LocalBlobs:
         # at the call, not at the first `next`.
         return self._chunks(self._open(key))
 
-    def read_range(self, key: str, start: int, length: int) -> bytes:
-        fd = self._open(key)
-        try:
-            with self._errors("read"):
-                return os.pread(fd, length, start)
-        finally:
-            os.close(fd)
-
     def read_range_into(self, key: str, start: int, buf: bytearray | memoryview) -> memoryview:
         view = memoryview(buf)
         got = 0

@@ -121,14 +121,6 @@ class ObjectBlobs:
                 raise BlobMissing(f"{self._where(key)} is missing") from None
         return self._chunks(result)
 
-    def read_range(self, key: str, start: int, length: int) -> bytes:
-        with self._errors("read"):
-            try:
-                got = obstore.get_range(self._store, check_key(key), start=start, length=length)
-            except FileNotFoundError:
-                raise BlobMissing(f"{self._where(key)} is missing") from None
-            return bytes(got)
-
     def read_range_into(self, key: str, start: int, buf: bytearray | memoryview) -> memoryview:
         with self._errors("read"):
             try:

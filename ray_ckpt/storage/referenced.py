@@ -59,6 +59,12 @@ class ReadBuffers:
         with self._lock:
             self._free.append(buf)
 
+    def read(self, root: Blobs, key: str, start: int, length: int) -> tuple[bytearray, memoryview]:
+        """One ranged read into a taken buffer: (the buffer, to `give` back
+        once nothing refers to it; the view of the bytes read)."""
+        buf = self.take(length)
+        return buf, root.read_range_into(key, start, memoryview(buf)[:length])
+
 
 def read_refs(
     here: Blobs, manifest: ParticipantManifest, select: Callable[[str], bool] | None
@@ -178,16 +184,15 @@ def _fetch(
 ) -> tuple[str, list[FrameRef], bytearray]:
     start = group[0].offset
     end = max(r.offset + r.length for r in group)
-    buf = buffers.take(end - start)
     try:
-        data = root.read_range_into(key, start, memoryview(buf)[: end - start])
+        buf, data = buffers.read(root, key, start, end - start)
     except BlobMissing:
         raise InvalidCheckpointState(
             f"referenced records file {blob_name(root, key)} is missing"
         ) from None
     # Hashed here, on the reader threads (hashlib and blake3 release the GIL).
     for ref in group:
-        view = memoryview(data)[ref.offset - start : ref.offset - start + ref.length]
+        view = data[ref.offset - start : ref.offset - start + ref.length]
         if len(view) != ref.length or digest(view).hex() != ref.digest:
             raise InvalidCheckpointState(
                 f"digest mismatch in {blob_name(root, key)} at offset {ref.offset} "

@@ -142,13 +142,12 @@ def test_a_chain_restore_reuses_a_few_read_buffers(
     # as written, from at most the reads in flight plus the one decoded.
     monkeypatch.setattr(referenced, "_MAX_READ", 1)
     monkeypatch.setattr(referenced, "_GAP", 0)
-    made: list[int] = []
+    made: set[int] = set()  # the pool holds every buffer, so ids stay unique
     real = referenced.ReadBuffers.take
 
     def take(self: referenced.ReadBuffers, size: int) -> bytearray:
         buf = real(self, size)
-        if id(buf) not in made:
-            made.append(id(buf))
+        made.add(id(buf))
         return buf
 
     monkeypatch.setattr(referenced.ReadBuffers, "take", take)
