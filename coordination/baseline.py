@@ -13,17 +13,40 @@ process cannot be told apart, so only its absence counts), and refuses an
 unattended checkpoint while one of them is gone or replaced
 (`MembershipChanged`).  A restore, or a checkpoint a person asks for
 (trigger `manual`), accepts the Gym as it is now.  Pure: no Ray, no I/O.
+
+Every trigger but `manual` is unattended, a drain's too: a drain notice
+after a member died would otherwise checkpoint the survivors, publish them as
+`latest` and re-baseline on them, and the periodic loop's `keep_latest_k`
+would then delete the last checkpoint of the whole Gym.  The guard is an
+allow-list of the one attended trigger, so a trigger added to `Trigger`
+later is unattended unless someone decides otherwise here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from enum import StrEnum
 from typing import Any
 
 from ray_ckpt.errors import MembershipChanged
 
-# Checkpoints nobody watches as they start: refused while the Gym changed.
-UNATTENDED = frozenset({"periodic", "signal"})
+
+class Trigger(StrEnum):
+    """What started a checkpoint: the one list of them (metrics labels too)."""
+
+    MANUAL = "manual"  # a person asked for it
+    PERIODIC = "periodic"
+    SIGNAL = "signal"
+    DRAIN = "drain"
+
+
+# The checkpoints a person starts, who may accept a changed Gym; any other
+# trigger (a string not in `Trigger` too) is unattended.
+ATTENDED = frozenset({Trigger.MANUAL})
+
+
+def attended(trigger: str) -> bool:
+    return trigger in ATTENDED
 
 
 def identity(host: Any) -> str | None:
@@ -43,7 +66,7 @@ class GymBaseline:
 
     def check(self, hosts: Mapping[str, Any], trigger: str) -> None:
         """Refuse an unattended checkpoint of a Gym that lost or replaced a member."""
-        if trigger not in UNATTENDED or self.members is None:
+        if attended(trigger) or self.members is None:
             return
         gone = sorted(k for k in self.members if k not in hosts)
         replaced = sorted(

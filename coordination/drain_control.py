@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from coordination.baseline import Trigger
 from coordination.drain import (
     DEFAULT_MARGIN_S,
     DEFAULT_MIN_BUDGET_S,
@@ -95,7 +96,7 @@ class CoordinatorDrainActions:
             commit_s=budget.commit_s,
             scope_source=c.scope_source,
             total_s=budget.total_s,
-            trigger="drain",
+            trigger=Trigger.DRAIN.value,
         )
 
     async def relaunch(self, hosts: list[str], avoid: list[str]) -> dict[str, str]:

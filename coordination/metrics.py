@@ -17,12 +17,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from coordination.baseline import Trigger
 from coordination.results import CheckpointResult, DurableResult, RestoreResult
 from ray_ckpt.errors import CheckpointError, CoordinationFailed
 from ray_ckpt.hosting.metrics import PREFIX, SECONDS_BOUNDARIES
 
 # What started a checkpoint (the `trigger` label).
-TRIGGERS = ("manual", "periodic", "signal", "drain")
+TRIGGERS = tuple(t.value for t in Trigger)
 
 
 # name (without the prefix) → (type, description, label keys)

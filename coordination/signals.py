@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from coordination.baseline import Trigger
 from coordination.periodic import DEFAULT_PREFIX, checkpoint_name, episode_list, error_body
 from coordination.signal_budget import (
     CONTINUE_SIGNALS,
@@ -248,7 +249,7 @@ class SignalCheckpointing:
                     prepare_s=budget.prepare_s,
                     commit_s=budget.commit_s,
                     total_s=budget.total_s,
-                    trigger="signal",
+                    trigger=Trigger.SIGNAL.value,
                 )
         except TimeoutError:
             error = error_body(DeadlineExceeded(f"not complete inside {self.grace_s:g}s"))
