@@ -25,6 +25,20 @@ the nodes already handled and the time in, a `DrainPlan` (or None) out.
 Several nodes draining at once make one plan: one checkpoint of the whole
 Gym, inside the earliest deadline.  The effects (placement, checkpoint,
 relaunch, restore) are `DrainActions`, the coordinator's to carry out.
+
+A move can fail after its checkpoint is complete (no room for the hosts
+elsewhere, a restore that fails).  The checkpoint is `latest` either way; the
+failure is reported with its ID and the move is tried again, at most
+`MOVE_ATTEMPTS` times in all, `MOVE_BACKOFF_S` then twice that apart, on the
+polls after those times:
+
+- the relaunch failed: the old hosts were resumed (`DrainActions.relaunch`
+  resumes them, or nobody could checkpoint until their leases lapse) and have
+  run on since, so the retry is the whole drain again while the node is still
+  draining — a fresh checkpoint inside what is left of its deadline, so what
+  they did meanwhile is not lost;
+- the restore failed: the old hosts are gone and the fresh ones hold nothing,
+  so the retry is the restore from the same checkpoint.
 """
 
 from __future__ import annotations
@@ -33,10 +47,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgspec
 
+from coordination.baseline import Trigger
 from coordination.periodic import DEFAULT_PREFIX, checkpoint_name, error_body
 from coordination.signals import Budget, cut_budget
 from ray_ckpt.errors import DeadlineExceeded
@@ -50,6 +66,15 @@ DEFAULT_MIN_BUDGET_S = 2.0
 DEFAULT_MARGIN_S = 1.0
 # A drain without a deadline still ends: checkpoint as if it had this long.
 NO_DEADLINE_BUDGET_S = 60.0
+# A move that fails after its checkpoint: this many attempts in all, the
+# first retry this long after the failure, each later one twice as long.
+MOVE_ATTEMPTS = 3
+MOVE_BACKOFF_S = 2.0
+
+
+def move_backoff(attempt: int) -> float:
+    """The wait after failed attempt `attempt` (1-based) before the next one."""
+    return MOVE_BACKOFF_S * 2.0 ** (attempt - 1)
 
 
 class DrainSource(Protocol):
@@ -121,6 +146,23 @@ class DrainOutcome(msgspec.Struct, frozen=True, kw_only=True):
     restored: dict[str, list[str]] = msgspec.field(default_factory=dict)
     seconds: float = 0.0
     error: dict[str, Any] | None = None
+    attempt: int = 1  # of MOVE_ATTEMPTS
+    retry_at: float | None = None  # a failed move tried again from then (epoch s)
+
+
+@dataclass
+class _Retry:
+    """A move to try again (`DrainWatcher.retries`)."""
+
+    nodes: list[str]
+    hosts: list[str]
+    deadline: float | None
+    attempt: int  # attempts made
+    at: float  # not before (epoch s)
+    # Set once the hosts moved: only the restore from here is left.
+    location: str | None = None
+    checkpoint_id: str | None = None
+    moved: dict[str, str] = field(default_factory=dict)
 
 
 class DrainActions(Protocol):
@@ -133,7 +175,10 @@ class DrainActions(Protocol):
         ...
 
     async def relaunch(self, hosts: list[str], avoid: list[str]) -> dict[str, str]:
-        """The hosts again, same names, on nodes not in `avoid`; host → node."""
+        """The hosts again, same names, on nodes not in `avoid`; host → node.
+
+        Either way the kept-open checkpoint is resumed: on failure the old
+        hosts run on (admission open), so the next checkpoint is not refused."""
         ...
 
     async def restore(self, location: str) -> Any:
@@ -168,6 +213,7 @@ class DrainWatcher:
         self.sleep = sleep
         self.handled: set[str] = set()
         self.outcomes: list[DrainOutcome] = []
+        self.retries: list[_Retry] = []
 
     async def run(self, stop: asyncio.Event) -> None:
         """Poll until `stop`; a failing poll is logged and the next one runs."""
@@ -180,6 +226,14 @@ class DrainWatcher:
 
     async def poll_once(self) -> DrainOutcome | None:
         draining = await asyncio.to_thread(self.source.draining)
+        now = self.wall()
+        due = next((r for r in self.retries if now >= r.at), None)
+        if due is not None:
+            self.retries.remove(due)
+            retried = await self._retry(due, draining)
+            if retried is not None:
+                self.outcomes.append(retried)
+            return retried
         if not draining:
             return None
         plan = plan_drain(
@@ -197,17 +251,77 @@ class DrainWatcher:
         self.outcomes.append(outcome)
         return outcome
 
-    async def _carry_out(self, plan: DrainPlan) -> DrainOutcome:
+    def _again(self, retry: _Retry) -> float | None:
+        """Schedule `retry` unless its attempts are spent; when it will run."""
+        if retry.attempt >= MOVE_ATTEMPTS:
+            log.error("drain of %s: %d attempts failed; not moved", retry.nodes, retry.attempt)
+            return None
+        retry.at = self.wall() + move_backoff(retry.attempt)
+        self.retries.append(retry)
+        return retry.at
+
+    async def _retry(
+        self, retry: _Retry, draining: Mapping[str, float | None]
+    ) -> DrainOutcome | None:
+        if retry.location is not None:
+            return await self._restore_again(retry)
+        still = {n: draining[n] for n in retry.nodes if n in draining}
+        plan = plan_drain(
+            still,
+            await self.actions.placement(),
+            set(),
+            self.wall(),
+            min_budget_s=self.min_budget_s,
+            margin_s=self.margin_s,
+        )
+        if plan is None:
+            # The drain was called off, or the hosts are on other nodes now:
+            # nothing left to move, the old hosts run on.
+            log.info("drain of %s: no longer draining Gym hosts; move not retried", retry.nodes)
+            return None
+        return await self._carry_out(plan, attempt=retry.attempt + 1)
+
+    async def _restore_again(self, retry: _Retry) -> DrainOutcome:
+        assert retry.location is not None
+        start = self.wall()
+        retry.attempt += 1
+        kw: dict[str, Any] = {
+            "trigger": Trigger.DRAIN.value,
+            "nodes": retry.nodes,
+            "hosts": retry.hosts,
+            "deadline": retry.deadline,
+            "budget_s": 0.0,
+            "location": retry.location,
+            "checkpoint_id": retry.checkpoint_id,
+            "moved": retry.moved,
+            "attempt": retry.attempt,
+        }
+        try:
+            await self.actions.restore(retry.location)
+        except Exception as exc:
+            log.error(
+                "drain: checkpoint %s is complete, its restore failed again: %s",
+                retry.checkpoint_id,
+                exc,
+            )
+            at = self._again(retry)
+            return DrainOutcome(
+                ok=False, error=error_body(exc), retry_at=at, seconds=self.wall() - start, **kw
+            )
+        return DrainOutcome(ok=True, seconds=self.wall() - start, **kw)
+
+    async def _carry_out(self, plan: DrainPlan, *, attempt: int = 1) -> DrainOutcome:
         start = self.wall()
 
         def outcome(**kw: Any) -> DrainOutcome:
             return DrainOutcome(
-                trigger="drain",
+                trigger=Trigger.DRAIN.value,
                 nodes=plan.nodes,
                 hosts=plan.hosts,
                 deadline=plan.deadline,
                 budget_s=plan.budget_s,
                 seconds=self.wall() - start,
+                attempt=attempt,
                 **kw,
             )
 
@@ -226,13 +340,30 @@ class DrainWatcher:
             log.error("drain checkpoint %s failed; latest is unchanged: %s", where, exc)
             return outcome(ok=False, location=where, error=error_body(exc))
         cid = getattr(result, "checkpoint_id", None)
+        retry = _Retry(plan.nodes, plan.hosts, plan.deadline, attempt, at=0.0)
         try:
             moved = await self.actions.relaunch(plan.hosts, plan.nodes)
+        except Exception as exc:
+            # The checkpoint is complete and `latest`; the old hosts were
+            # resumed and run on until the retry (see the module doc).
+            log.error("drain: checkpoint %s is complete, the relaunch failed: %s", cid, exc)
+            at = self._again(retry)
+            return outcome(
+                ok=False, location=where, checkpoint_id=cid, error=error_body(exc), retry_at=at
+            )
+        try:
             await self.actions.restore(where)
         except Exception as exc:
-            # The checkpoint is complete and `latest`: a restore from it later
-            # still loses nothing.
-            log.error("drain: checkpoint %s is complete, the move failed: %s", where, exc)
-            return outcome(ok=False, location=where, checkpoint_id=cid, error=error_body(exc))
+            log.error("drain: checkpoint %s is complete, its restore failed: %s", cid, exc)
+            retry.location, retry.checkpoint_id, retry.moved = where, cid, moved
+            at = self._again(retry)
+            return outcome(
+                ok=False,
+                location=where,
+                checkpoint_id=cid,
+                moved=moved,
+                error=error_body(exc),
+                retry_at=at,
+            )
         log.info("drain of %s: hosts %s moved via %s", plan.nodes, plan.hosts, where)
         return outcome(ok=True, location=where, checkpoint_id=cid, moved=moved)

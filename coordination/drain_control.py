@@ -11,7 +11,9 @@ actor, with `CoordinatorDrainActions` as its effects:
   to publish in time is not published, and `latest` stays the previous one);
 - relaunch: the caller's relauncher (a picklable async callable, e.g.
   `participants.fleet_relaunch.FleetRelauncher`), then the kept-open
-  checkpoint is resumed (its members are the dead hosts: they drop out);
+  checkpoint is resumed (its members are the dead hosts: they drop out; if
+  the relauncher failed, the old hosts run on until the watch retries the
+  move, see `coordination.drain`);
 - restore: the whole Gym from that checkpoint into the fresh hosts, resumed.
 
 The driver learns of a move from `drain_status()` (its outcomes carry what
@@ -100,10 +102,16 @@ class CoordinatorDrainActions:
         )
 
     async def relaunch(self, hosts: list[str], avoid: list[str]) -> dict[str, str]:
-        moved = await self.relaunch_hosts(hosts, avoid)
-        # The checkpoint kept open for the move is done; its members were the
-        # old hosts (now dead: they drop out), the fresh ones never saw it.
-        await self.coordinator.core.resume()
+        try:
+            moved = await self.relaunch_hosts(hosts, avoid)
+        finally:
+            # The checkpoint kept open for the move is done either way.  Moved:
+            # its members were the old hosts (now dead: they drop out), the
+            # fresh ones never saw it.  Not moved: the old hosts run on until
+            # the move is tried again — left committed, they would refuse
+            # admission and every checkpoint (`checkpoint_conflict`) until
+            # their leases lapse.
+            await self.coordinator.core.resume()
         return moved
 
     async def restore(self, location: str) -> Any:
