@@ -165,6 +165,12 @@ async def commit(
         finally:
             await driver.pauses.unpause(cid, barrier)
         if out.errors:
+            if strict and all(isinstance(e, RestartInScope) for e in out.errors.values()):
+                # The same cause as the strict check below (an episode of the
+                # scope would start over), refused by the participants
+                # themselves (restart-only ones fail closed): the same error.
+                refused = "; ".join(f"{k}: {e.detail}" for k, e in sorted(out.errors.items()))
+                raise RestartInScope(f"commit of {cid} refused (strict): {refused}")
             raise coordination_failed("commit", cid, {k: failure(e) for k, e in out.errors.items()})
         exported = {k: string_list(r.get("episode_ids")) for k, r in out.replies.items()}
         continued, restart = split_continued(scope, exported, driver._prepare_restarts)

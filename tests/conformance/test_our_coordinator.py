@@ -21,7 +21,7 @@ from coordination.journal import Journal
 from coordination.order import Member
 from coordination.results import Timeouts
 from ray_ckpt.control.client import ControlClient
-from ray_ckpt.errors import CheckpointError, CoordinationFailed, InvalidRequest
+from ray_ckpt.errors import CheckpointError, CoordinationFailed, InvalidRequest, RestartInScope
 from ray_ckpt.identity import EpisodeId
 from tests.conformance.conftest import KINDS, TOKEN, Serve, Served
 
@@ -169,3 +169,24 @@ async def test_a_fastapi_validation_reply_is_a_typed_invalid_request(
                                           "unknown": 1})  # fmt: skip
     finally:
         await client.aclose()
+
+
+@pytest.mark.parametrize("named", ["r2", "ghost"], ids=["restart-only", "no-state"])
+async def test_a_strict_commit_naming_an_episode_that_would_start_over_is_restart_in_scope(
+    nemo_fleet: dict[str, Served], core: CoordinatorCore, tmp_path: Path, named: str
+) -> None:
+    """One cause, one typed error: the scope names an episode no participant
+    will continue, whether a participant refuses it (restart-only: NeMo Gym's
+    participants fail closed) or none holds state for it."""
+    register(core, nemo_fleet)
+    start_everywhere(nemo_fleet, "r0")
+    nemo_fleet["resources"].participant.start("r2", restart=True)
+    for kind in ("environment", "model", "agent"):
+        nemo_fleet[kind].participant.start("r2")
+    await core.prepare(5.0)
+    with pytest.raises(RestartInScope) as info:
+        await core.commit(str(tmp_path), [EpisodeId("r0"), EpisodeId(named)], strict=True)
+    assert named in info.value.detail
+    assert not (tmp_path / "gym" / "_manifest.json").exists()
+    assert core.open is None
+    assert {s.participant.phase for s in nemo_fleet.values()} == {"idle"}

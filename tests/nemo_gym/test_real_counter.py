@@ -11,7 +11,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from ray_ckpt.errors import CoordinationFailed
+from ray_ckpt.errors import CoordinationFailed, RestartInScope
 from tests.nemo_gym.real import CREATE_PARAMS, RealGym, response, spec
 
 pytestmark = [pytest.mark.nemo_gym, pytest.mark.ray]
@@ -94,3 +94,6 @@ async def test_restart_only_by_default(real: RealGym, tmp_path: Path) -> None:
     # ...and refuses (typed) to put it in a checkpoint's scope.
     with pytest.raises(CoordinationFailed, match="restart_in_scope"):
         await real.gym.acheckpoint(str(tmp_path / "ck2"), ["r"])
+    # Strict: the same cause as an episode no participant holds, the same typed error.
+    with pytest.raises(RestartInScope, match="'r'"):
+        await real.gym.acheckpoint(str(tmp_path / "ck3"), ["r"], strict=True)
