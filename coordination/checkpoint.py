@@ -41,10 +41,24 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def manifest_bytes(manifest: Any) -> int:
-    """Bytes a participant manifest says it holds (0 if it does not say:
-    NeMo Gym's manifests have no `bytes`; the Gym manifest measures them)."""
-    return int_or_none(as_mapping(manifest).get("bytes")) or 0
+def manifest_bytes(manifest: Any, listed: Any = None) -> int:
+    """Bytes a participant wrote: its records object's size as the Gym
+    manifest `listed` measured it (the writer's return), whichever shape the
+    participant manifest has; else what the manifest says (ours carry
+    `bytes`; NeMo Gym's do not, and say 0 then).
+
+    NeMo Gym's manifests name their records file, digest and count, never a
+    size: only the written object knows it, and the Gym manifest's writer
+    has just read it (and checked it against `bytes` where there is one)."""
+    from ray_ckpt.storage.gym_manifest import GymManifest
+
+    m = as_mapping(manifest)
+    kind, instance = m.get("kind"), m.get("instance")
+    if isinstance(listed, GymManifest):
+        for e in listed.participants:
+            if e.kind == kind and e.instance == instance:
+                return e.bytes
+    return int_or_none(m.get("bytes")) or 0
 
 
 async def prepare(driver: PhaseDriver, deadline_s: float | None = None) -> PrepareResult:
@@ -210,7 +224,7 @@ async def commit(
         publishing = driver.clock.now()
         try:
             # Last of all: the Gym manifest is the commit point of the whole checkpoint.
-            await asyncio.to_thread(driver.manifest_writer, checkpoint_dir, cid, manifests)
+            listed = await asyncio.to_thread(driver.manifest_writer, checkpoint_dir, cid, manifests)
             driver.timeline.span(cid, COORDINATOR_ROW, "publish", publishing, driver.clock.now())
         except Exception as exc:
             err = exc if isinstance(exc, CheckpointError) else CheckpointError(repr(exc))
@@ -228,7 +242,7 @@ async def commit(
             durable=False,  # the Gym manifest is the durable record of this step
         )
     seconds = time.monotonic() - start
-    written = {k: manifest_bytes(r.get("manifest")) for k, r in out.replies.items()}
+    written = {k: manifest_bytes(r.get("manifest"), listed) for k, r in out.replies.items()}
     log.info(
         "commit %s: %d participants, %d bytes in %.3fs (Gym manifest %.3fs)",
         cid,

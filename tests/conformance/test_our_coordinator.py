@@ -23,6 +23,7 @@ from coordination.results import Timeouts
 from ray_ckpt.control.client import ControlClient
 from ray_ckpt.errors import CheckpointError, CoordinationFailed, InvalidRequest, RestartInScope
 from ray_ckpt.identity import EpisodeId
+from ray_ckpt.storage import read_gym_manifest
 from tests.conformance.conftest import KINDS, TOKEN, Serve, Served
 
 TIMEOUTS = Timeouts(
@@ -111,6 +112,20 @@ async def test_a_commit_of_nemo_shaped_participant_manifests(
         pytest.fail(f"{MANIFEST}: commit raised {exc!r}")
     assert committed.episode_ids == {f"{k}/ng-{k}": ["r0"] for k in KINDS}
     assert (tmp_path / "gym" / "_manifest.json").exists()
+    # What was written: NeMo Gym's manifests carry no `bytes`; the records
+    # objects' sizes are what the Gym manifest lists and the commit reports.
+    listed = {
+        f"{e.kind}/{e.instance}": e.bytes for e in read_gym_manifest(str(tmp_path)).participants
+    }
+    on_disk = {
+        f"{k}/ng-{k}": sum(
+            f.stat().st_size for f in (tmp_path / "gym" / k / f"ng-{k}").glob("records*")
+        )
+        for k in KINDS
+    }
+    assert listed == on_disk
+    assert all(size > 0 for size in on_disk.values())
+    assert committed.bytes == on_disk
     await core.resume()
     assert {s.participant.phase for s in nemo_fleet.values()} == {"idle"}
 
