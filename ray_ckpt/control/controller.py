@@ -155,7 +155,7 @@ class ParticipantController:
             "phase": self.state.phase.value,
             "checkpoint_id": self.state.checkpoint_id,
             "lease_expires_at": self.state.lease_expires_at,
-            "retired_rollouts": len(self.retired),
+            "retired_rollouts": self.retired.retired_rollouts(),
             "retiring": self._retiring_now(),
             "live_executions": self.participant.live_executions(),
             "writes_in_flight": self.writes_in_flight,

@@ -143,7 +143,7 @@ class Restores:
         # here, as if retired (a late step of attempt N must not be served
         # from the fresh, empty state of this process).
         for episode in replaced:
-            c.retired.mark(episode)
+            c.retired.fence(episode)
         return installed
 
     def failure(self, install: Install) -> CheckpointError:

@@ -17,10 +17,25 @@ from ray_ckpt.identity import EpisodeId
 class RetiredAttempts:
     def __init__(self) -> None:
         self._marks: dict[str, int] = {}
+        # The rollouts a retire named, until forget: what `status.retired_rollouts`
+        # counts, as NeMo Gym's participants count it.  A restore's fence
+        # (`fence`) refuses the same way but retires nothing, so it is not here.
+        self._retired: set[str] = set()
 
     def mark(self, episode: EpisodeId) -> None:
+        """A retire's mark: refuse attempts up to this one, and count the rollout retired."""
+        self.fence(episode)
+        self._retired.add(episode.rollout_id)
+
+    def fence(self, episode: EpisodeId) -> None:
+        """Refuse attempts up to this one until forget, without counting the
+        rollout as retired (a restore fences the attempts it replaced)."""
         previous = self._marks.get(episode.rollout_id, -1)
         self._marks[episode.rollout_id] = max(previous, episode.attempt)
+
+    def retired_rollouts(self) -> int:
+        """Rollouts retired by a retire call and not forgotten since."""
+        return len(self._retired)
 
     def is_retired(self, episode: EpisodeId) -> bool:
         mark = self._marks.get(episode.rollout_id)
@@ -36,7 +51,9 @@ class RetiredAttempts:
             )
 
     def forget(self, rollout_ids: Iterable[str]) -> list[str]:
-        return sorted(r for r in set(rollout_ids) if self._marks.pop(r, None) is not None)
+        rollouts = set(rollout_ids)
+        self._retired -= rollouts
+        return sorted(r for r in rollouts if self._marks.pop(r, None) is not None)
 
     def __len__(self) -> int:
         return len(self._marks)

@@ -158,6 +158,9 @@ async def test_full_cycle_commit_into_root_restore_fresh_constant_retire_forget_
     assert await ctl.resume(members, rid, ahead()) == {}
     reply = await run_episode(http, new.urls["environment"], EpisodeId("r0", 1), TASK)
     assert reply["result"] == expected["result"]
+    # `retired_rollouts` counts what retire calls left until forget, as NeMo
+    # Gym's participants do: the restore's own fence of attempt 0 is no retire.
+    assert {s["retired_rollouts"] for s in (await statuses(http, new)).values()} == {0}
 
     for _ in range(2):  # the collection's constant IDs, called repeatedly
         retired = await ctl.retire(
