@@ -65,6 +65,10 @@ class Scanned(msgspec.Struct, frozen=True, kw_only=True):
     needs: frozenset[str]  # keys it cannot restore without (`needed_keys`)
     episode_keys: list[str] | None  # capture keys; None if a manifest lists none
     problem: str | None  # why it is not complete
+    # "<kind>/<instance>" → the keys its participant manifest needs
+    # (`participant_needs`), for each participant manifest that could be read,
+    # complete or not: gc keeps what an in-flight checkpoint will need.
+    parts: dict[str, frozenset[str]] = msgspec.field(default_factory=dict)
 
 
 class Catalog(msgspec.Struct, frozen=True, kw_only=True):
@@ -101,15 +105,27 @@ def needed_keys(
     of a sibling checkpoint)."""
     keys = {f"{name}/{GYM}/{GYM_MANIFEST_NAME}"}
     for e in gym.participants:
-        pdir = f"{name}/{GYM}/{e.kind}/{e.instance}"
-        keys.add(f"{pdir}/{MANIFEST_NAME}")
-        m = manifests[(e.kind, e.instance)]
-        records = m.get("records_file")
-        if isinstance(records, str):
-            keys.add(f"{pdir}/{records}")
-        for checkpoint, records_file in referenced_files(m):
-            keys.add(f"{checkpoint}/{GYM}/{e.kind}/{e.instance}/{records_file}")
+        keys |= participant_needs(name, e.kind, e.instance, manifests[(e.kind, e.instance)])
     return frozenset(keys)
+
+
+def participant_needs(name: str, kind: str, instance: str, m: Mapping[str, Any]) -> frozenset[str]:
+    """The keys one participant manifest of checkpoint `name` needs: itself,
+    the records object it names, and each earlier records object it references."""
+    pdir = f"{name}/{GYM}/{kind}/{instance}"
+    keys = {f"{pdir}/{MANIFEST_NAME}"}
+    records = m.get("records_file")
+    if isinstance(records, str):
+        keys.add(f"{pdir}/{records}")
+    for checkpoint, records_file in referenced_files(m):
+        keys.add(f"{checkpoint}/{GYM}/{kind}/{instance}/{records_file}")
+    return frozenset(keys)
+
+
+def participant_of(key: str) -> str | None:
+    """The "<kind>/<instance>" of a key under ``<name>/gym/<kind>/<instance>/``."""
+    parts = key.split("/")
+    return f"{parts[2]}/{parts[3]}" if len(parts) >= 5 and parts[1] == GYM else None
 
 
 # --- scanning -----------------------------------------------------------------
@@ -201,6 +217,7 @@ def _scan_one(blobs: Blobs, name: str, keys: list[BlobInfo]) -> Scanned:
         needs=needed_keys(name, gym, manifests),
         episode_keys=episodes,
         problem=None,
+        parts={f"{k}/{i}": participant_needs(name, k, i, m) for (k, i), m in manifests.items()},
     )
 
 
@@ -241,6 +258,7 @@ def _incomplete(
 ) -> Scanned:
     """What an incomplete checkpoint shows: the participant manifests it has."""
     manifests = []
+    parts: dict[str, frozenset[str]] = {}
     for key in sizes:
         if key.endswith(f"/{MANIFEST_NAME}") and key.count("/") == 4:
             try:
@@ -249,6 +267,8 @@ def _incomplete(
                 m = None
             if m is not None:
                 manifests.append(m)
+                _, _, kind, instance, _ = key.split("/")
+                parts[f"{kind}/{instance}"] = participant_needs(name, kind, instance, m)
     ids = {m.get("checkpoint_id") for m in manifests}
     cid = ids.pop() if len(ids) == 1 else None
     episodes = _episode_keys(manifests)
@@ -262,8 +282,16 @@ def _incomplete(
         complete=False,
         referenced_by=[],
     )
-    # Nothing restores from it, so it needs nothing; gc still keeps a young one.
-    return Scanned(entry=entry, keys=keys, needs=frozenset(), episode_keys=None, problem=problem)
+    # Nothing restores from it, so it needs nothing; gc still keeps a young one
+    # and what its participants reference (`parts`).
+    return Scanned(
+        entry=entry,
+        keys=keys,
+        needs=frozenset(),
+        episode_keys=None,
+        problem=problem,
+        parts=parts,
+    )
 
 
 def _json_object(data: bytes) -> dict[str, Any] | None:

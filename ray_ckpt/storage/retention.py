@@ -11,6 +11,11 @@
   one may be a write in flight and stays;
 - a key a kept checkpoint needs (`catalog.needed_keys`) is never deleted,
   whichever checkpoint's folder it sits in;
+- an incomplete checkpoint kept as possibly in flight keeps what its
+  incremental writes will need too (`in_flight_needs`): the earlier records
+  its participant manifests reference, and for a participant whose manifest
+  is not written yet the files of the newest complete checkpoint it is in
+  (the base an incremental write picks, `storage.seam`);
 - temp objects (`blobs.is_temp`) older than `grace_s` are collected, in kept
   checkpoints too: a write in flight is younger than that, crash leftovers are
   not;
@@ -30,7 +35,7 @@ import msgspec
 
 from ray_ckpt.errors import InvalidRequest
 from ray_ckpt.storage.blobs import BlobInfo, Blobs, is_temp
-from ray_ckpt.storage.catalog import GYM, Catalog, Scanned, scan
+from ray_ckpt.storage.catalog import GYM, Catalog, Scanned, participant_of, scan
 
 # A write in flight touches its temp object at least this often; anything
 # quieter for longer is a crash's leftover.  Generous: a commit of a large
@@ -87,8 +92,10 @@ def plan_retention(catalog: Catalog, keep: int, *, now: float, grace_s: float) -
     protected: set[str] = set()
     for name in kept:
         s = catalog.checkpoints[name]
-        # An incomplete one is kept whole: what it will need is not known yet.
+        # An incomplete one is kept whole, and what it may still need.
         protected |= s.needs if s.entry.complete else {i.key for i in s.keys}
+        if not s.entry.complete:
+            protected |= in_flight_needs(catalog, s)
     delete: set[str] = set()
     rows: list[PlanRow] = []
     for s in sorted(catalog.checkpoints.values(), key=lambda s: (s.entry.time, s.entry.name)):
@@ -139,6 +146,24 @@ def plan_retention(catalog: Catalog, keep: int, *, now: float, grace_s: float) -
         delete=sorted(delete),
         bytes=sum(r.bytes for r in rows),
     )
+
+
+def in_flight_needs(catalog: Catalog, s: Scanned) -> set[str]:
+    """The keys of other checkpoints an incomplete checkpoint `s` needs or may
+    need once complete: what each participant manifest it holds references,
+    and for each participant writing into it without a manifest yet, that
+    participant's files in the newest complete checkpoint holding it (its
+    incremental base: the references are not known until the manifest is)."""
+    out: set[str] = set()
+    for keys in s.parts.values():
+        out |= keys
+    writing = {p for p in (participant_of(i.key) for i in s.keys) if p is not None}
+    done = catalog.complete()
+    for part in sorted(writing - s.parts.keys()):
+        base = next((c for c in done if part in c.parts), None)
+        if base is not None:
+            out |= base.parts[part]
+    return out
 
 
 def _temp_candidates(catalog: Catalog) -> list[BlobInfo]:

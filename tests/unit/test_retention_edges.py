@@ -1,0 +1,112 @@
+"""Retention at its edges, on real files (disk, and S3 on moto over HTTP):
+an in-flight incremental checkpoint keeps the earlier files it will need."""
+
+from __future__ import annotations
+
+import pathlib
+import time
+
+import pytest
+
+from ray_ckpt.storage import open_location, read_participant, write_gym_manifest, write_participant
+from ray_ckpt.storage.blobs import temp_key
+from ray_ckpt.storage.incremental import Previous
+from ray_ckpt.storage.participant_manifest import ParticipantManifest, participant_key
+from ray_ckpt.storage.pointer import join_location
+from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.retention import collect
+from tests.s3_server import S3Endpoint, s3_endpoint
+
+__all__ = ["s3_endpoint"]  # the fixture, imported for pytest
+
+GRACE = 3600.0
+
+
+@pytest.fixture(params=["local", "s3"])
+def root(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> str:
+    if request.param == "local":
+        return str(tmp_path / "root")
+    endpoint: S3Endpoint = request.getfixturevalue("s3_endpoint")
+    return endpoint.location()
+
+
+def records(gen: int, changed: int = 1) -> list[Record]:
+    return [
+        Record(f"r{i}", {"i": i, "gen": gen if i < changed else 0, "pad": "x" * 3000}, None)
+        for i in range(10)
+    ]
+
+
+def part(
+    root: str,
+    name: str,
+    kind: str,
+    recs: list[Record],
+    previous: tuple[str, ParticipantManifest] | None = None,
+) -> ParticipantManifest:
+    return write_participant(
+        join_location(root, name),
+        kind=kind,
+        instance="i0",
+        checkpoint_id=f"c-{name}",
+        records=recs,
+        previous=Previous(*previous) if previous else None,
+    )
+
+
+def left(root: str) -> set[str]:
+    return {i.key for i in open_location(root).list()}
+
+
+def test_an_in_flight_incremental_keeps_the_records_it_references(root: str) -> None:
+    # ck-0: agent and env, full.  ck-1 (newer, complete): a full rewrite.
+    a0 = part(root, "ck-0", "agent", records(0))
+    e0 = part(root, "ck-0", "environment", records(0))
+    write_gym_manifest(join_location(root, "ck-0"), checkpoint_id="c-ck-0", manifests=[a0, e0])
+    a1 = part(root, "ck-1", "agent", records(1, changed=10))
+    e1 = part(root, "ck-1", "environment", records(1, changed=10))
+    write_gym_manifest(join_location(root, "ck-1"), checkpoint_id="c-ck-1", manifests=[a1, e1])
+    # ck-2 in flight: the agent committed incrementally on ck-0 (its chain's
+    # base), the Gym manifest not written yet.
+    a2 = part(root, "ck-2", "agent", records(2), previous=(join_location(root, "ck-0"), a0))
+    assert a2.refs, "references ck-0's records"
+    base = f"ck-0/{participant_key('agent', 'i0')}/{a0.records_file}"
+    plan = collect(open_location(root), 1, now=time.time(), grace_s=GRACE)
+    assert "ck-0" in plan.deleted_checkpoints
+    assert base not in plan.delete
+    assert base in left(root)
+    # ck-2 completes and restores whole.
+    e2 = part(root, "ck-2", "environment", records(2))
+    write_gym_manifest(join_location(root, "ck-2"), checkpoint_id="c-ck-2", manifests=[a2, e2])
+    _, got = read_participant(
+        join_location(root, "ck-2"), kind="agent", instance="i0", checkpoint_id="c-ck-2"
+    )
+    assert sorted((r.key, r.state) for r in got) == sorted((r.key, r.state) for r in records(2))
+
+
+def test_a_participant_still_writing_keeps_its_base(root: str) -> None:
+    # ck-0 holds the agent; the newer ck-1 does not (it was not registered
+    # then), so the agent's next write is based on ck-0 (`storage.seam`).
+    a0 = part(root, "ck-0", "agent", records(0))
+    write_gym_manifest(join_location(root, "ck-0"), checkpoint_id="c-ck-0", manifests=[a0])
+    e1 = part(root, "ck-1", "environment", records(1))
+    write_gym_manifest(join_location(root, "ck-1"), checkpoint_id="c-ck-1", manifests=[e1])
+    # ck-2 in flight: the agent's records are still being written (a temp
+    # object, no manifest yet: its references are not known).
+    pdir = f"ck-2/{participant_key('agent', 'i0')}"
+    open_location(root).create(temp_key(f"{pdir}/records.bin"), b"partial")
+    base = {
+        f"ck-0/{participant_key('agent', 'i0')}/{a0.records_file}",
+        f"ck-0/{participant_key('agent', 'i0')}/manifest.json",
+    }
+    plan = collect(open_location(root), 1, now=time.time(), grace_s=GRACE)
+    assert "ck-0" in plan.deleted_checkpoints
+    assert not base & set(plan.delete)
+    assert base <= left(root)
+    if root.startswith("s3://"):
+        return  # below, ck-0 must be older than ck-1: S3 lists whole seconds
+    # Once nothing is in flight, the base goes (what is left of ck-0 looks
+    # like a young incomplete checkpoint until the grace period is over).
+    open_location(root).delete([k for k in left(root) if k.startswith("ck-2/")])
+    collect(open_location(root), 1, now=time.time() + 2 * GRACE, grace_s=GRACE)
+    assert not base & left(root)
