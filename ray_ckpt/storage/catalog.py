@@ -49,7 +49,9 @@ class CheckpointEntry(msgspec.Struct, frozen=True, kw_only=True):
 
     name: str
     checkpoint_id: str | None
-    time: float  # the Gym manifest's write time; the newest write if incomplete
+    # When the Gym manifest was written (its own `written_at`, else the
+    # listing's time); the newest write if incomplete.
+    time: float
     participants: int
     episodes: int
     bytes: int  # every object under <name>/gym/
@@ -89,6 +91,9 @@ class Catalog(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _order(s: Scanned) -> tuple[float, str]:
+    """Oldest first.  By time: the Gym manifest's own `written_at`, precise,
+    where the listing's time is whole seconds on S3 (by name alone,
+    `step-10` would sort before `step-9`); the name only breaks a true tie."""
     return (s.entry.time, s.entry.name)
 
 
@@ -204,7 +209,7 @@ def _scan_one(blobs: Blobs, name: str, keys: list[BlobInfo]) -> Scanned:
     entry = CheckpointEntry(
         name=name,
         checkpoint_id=gym.checkpoint_id,
-        time=sizes[gym_key].modified,
+        time=gym.written_at if gym.written_at is not None else sizes[gym_key].modified,
         participants=len(gym.participants),
         episodes=len(episodes) if episodes is not None else _max_count(manifests.values()),
         bytes=total,

@@ -9,6 +9,11 @@ participant manifest it is created, never replaced: a create-only link on
 disk, a conditional put on an object store (see `participant_store`).
 
 Participant manifests may be ours or NeMo Gym's; `manifest_shapes` reads both.
+
+`written_at` records when the Gym manifest was written (epoch seconds, full
+precision): the listing's time of an object is whole seconds on S3, so two
+checkpoints published in the same second could not be told apart by it
+(`catalog` orders by this field; older manifests without it, by the listing).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -79,6 +85,8 @@ class GymManifest(msgspec.Struct, frozen=True):
     schema_version: int
     checkpoint_id: str
     participants: list[GymEntry]
+    # When it was written (epoch s); None in manifests written before the field.
+    written_at: float | None = None
 
     def entry(self, kind: str, instance: str) -> GymEntry:
         """The listed participant, or `InvalidCheckpointState` if it is not listed."""
@@ -123,8 +131,12 @@ def write_gym_manifest(
     *,
     checkpoint_id: str,
     manifests: Sequence[ParticipantManifest | Mapping[str, Any]],
+    now: float | None = None,
 ) -> GymManifest:
     """Create the Gym manifest over committed participant manifests (never replaced).
+
+    `now`: the time it records as written (default: the wall clock).  A retry
+    that finds the same manifest written returns that one, its time included.
 
     Each manifest is ours (`ParticipantManifest`, or its JSON as a commit reply
     carries it) or NeMo Gym's (`records_sha256`, `record_count`,
@@ -168,14 +180,20 @@ def write_gym_manifest(
         schema_version=SCHEMA_VERSION,
         checkpoint_id=checkpoint_id,
         participants=[entries[k] for k in sorted(entries)],
+        written_at=time.time() if now is None else now,
     )
     existing = blobs.create(GYM_MANIFEST_KEY, encode_manifest(gym))
-    if existing is not None and _decode_gym(existing, blobs) != gym:
+    if existing is None:
+        return gym
+    found = _decode_gym(existing, blobs)
+    if msgspec.structs.replace(found, written_at=None) != msgspec.structs.replace(
+        gym, written_at=None
+    ):
         raise InvalidCheckpointState(
             f"{blob_name(blobs, GYM_MANIFEST_KEY)} already holds a different checkpoint; "
             "a manifest is never replaced"
         )
-    return gym
+    return found
 
 
 def _decode_gym(data: bytes, blobs: Blobs) -> GymManifest:

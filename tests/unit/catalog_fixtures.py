@@ -50,7 +50,7 @@ def commit(
         for kind, instance in PARTS
     ]
     if gym_manifest:
-        write_gym_manifest(d, checkpoint_id=cid, manifests=manifests)
+        write_gym_manifest(d, checkpoint_id=cid, manifests=manifests, now=when)
     date(d, when)
     if latest:
         write_latest(open_location(str(root)), name, cid)

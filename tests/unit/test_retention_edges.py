@@ -1,21 +1,26 @@
 """Retention at its edges, on real files (disk, and S3 on moto over HTTP):
-an in-flight incremental checkpoint keeps the earlier files it will need."""
+an in-flight incremental checkpoint keeps the earlier files it will need, and
+"newest" is the Gym manifest's own time, not the listing's whole second."""
 
 from __future__ import annotations
 
 import pathlib
 import time
 
+import msgspec
 import pytest
 
 from ray_ckpt.storage import open_location, read_participant, write_gym_manifest, write_participant
 from ray_ckpt.storage.blobs import temp_key
+from ray_ckpt.storage.catalog import pick_latest, scan
+from ray_ckpt.storage.gym_manifest import read_gym_manifest
 from ray_ckpt.storage.incremental import Previous
 from ray_ckpt.storage.participant_manifest import ParticipantManifest, participant_key
 from ray_ckpt.storage.pointer import join_location
 from ray_ckpt.storage.record import Record
 from ray_ckpt.storage.retention import collect
 from tests.s3_server import S3Endpoint, s3_endpoint
+from tests.unit.catalog_fixtures import date
 
 __all__ = ["s3_endpoint"]  # the fixture, imported for pytest
 
@@ -110,3 +115,63 @@ def test_a_participant_still_writing_keeps_its_base(root: str) -> None:
     open_location(root).delete([k for k in left(root) if k.startswith("ck-2/")])
     collect(open_location(root), 1, now=time.time() + 2 * GRACE, grace_s=GRACE)
     assert not base & left(root)
+
+
+# --- which is newest: the Gym manifest's own time ------------------------------
+
+
+def complete_checkpoint(root: str, name: str) -> None:
+    where = join_location(root, name)
+    m = part(root, name, "agent", records(0))
+    write_gym_manifest(where, checkpoint_id=f"c-{name}", manifests=[m])
+
+
+def same_second(root: pathlib.Path, names: list[str], when: float) -> None:
+    """Every file of these checkpoints listed at one whole second, as S3
+    lists two checkpoints published within it."""
+    for name in names:
+        date(root / name, when)
+
+
+def test_two_checkpoints_in_one_listed_second_are_ordered_by_their_own_time(
+    tmp_path: pathlib.Path,
+) -> None:
+    root = str(tmp_path)
+    for name in ("step-9", "step-10"):  # in this order: step-10 is newer
+        complete_checkpoint(root, name)
+    same_second(tmp_path, ["step-9", "step-10"], 1_800_000_000.0)
+    cat = scan(open_location(root))
+    assert [e.name for e in cat.entries] == ["step-9", "step-10"]
+    assert cat.complete()[0].entry.name == "step-10"
+    assert pick_latest(cat).entry.name == "step-10"  # no LATEST: the newest complete
+    plan = collect(open_location(root), 1, now=time.time(), grace_s=GRACE)
+    assert plan.deleted_checkpoints == ["step-9"]
+    assert {e.name for e in scan(open_location(root)).entries} == {"step-10"}
+
+
+def test_a_gym_manifest_without_its_time_is_still_read(tmp_path: pathlib.Path) -> None:
+    """Written before the field existed: decoded, ordered by the listing."""
+    root = str(tmp_path)
+    for name, when in (("old-b", 1_800_000_010.0), ("old-a", 1_800_000_020.0)):
+        complete_checkpoint(root, name)
+        key = tmp_path / name / "gym" / "_manifest.json"
+        raw = msgspec.json.decode(key.read_bytes())
+        del raw["written_at"]
+        key.write_bytes(msgspec.json.encode(raw))
+        date(tmp_path / name, when)
+    gym = read_gym_manifest(join_location(root, "old-a"))
+    assert gym.written_at is None
+    cat = scan(open_location(root))
+    assert all(e.complete for e in cat.entries)
+    assert [e.name for e in cat.entries] == ["old-b", "old-a"]
+    assert cat.entries[1].time == 1_800_000_020.0
+
+
+def test_a_retried_gym_manifest_write_returns_the_one_written(tmp_path: pathlib.Path) -> None:
+    root = str(tmp_path)
+    where = join_location(root, "ck")
+    m = part(root, "ck", "agent", records(0))
+    first = write_gym_manifest(where, checkpoint_id="c-ck", manifests=[m], now=100.0)
+    again = write_gym_manifest(where, checkpoint_id="c-ck", manifests=[m], now=200.0)
+    assert again == first
+    assert read_gym_manifest(where).written_at == 100.0
