@@ -32,6 +32,7 @@ from typing import Any
 import msgspec
 
 from ray_ckpt.errors import CheckpointError, InvalidCheckpointState
+from ray_ckpt.identity import is_result_key
 from ray_ckpt.storage.blobs import BlobInfo, BlobMissing, Blobs, is_temp
 from ray_ckpt.storage.gym_manifest import GYM_MANIFEST_NAME, GymManifest
 from ray_ckpt.storage.incremental import referenced_files
@@ -308,13 +309,15 @@ def _json_object(data: bytes) -> dict[str, Any] | None:
 
 
 def _episode_keys(manifests: Any) -> list[str] | None:
-    """The capture keys the manifests list (ours do; NeMo Gym's do not: None)."""
+    """The capture keys of the episodes the manifests list (ours do; NeMo
+    Gym's do not: None).  A held result (`result:<key>`, completion receipts)
+    is a record too, but a finished one: not an episode a restore continues."""
     keys: set[str] = set()
     for m in manifests:
         listed = m.get("episodes")
         if not isinstance(listed, list):
             return None
-        keys.update(k for k in listed if isinstance(k, str))
+        keys.update(k for k in listed if isinstance(k, str) and not is_result_key(k))
     return sorted(keys)
 
 
