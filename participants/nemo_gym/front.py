@@ -18,8 +18,10 @@ keeps in a signed cookie.  `EpisodeFront` is a pure ASGI app in front of it:
 - a successful seed (``/seed_session``, ``/reset``) binds the session and
   says how it checkpoints (``x-ng-checkpoint-verify``, and
   ``x-ng-checkpoint-restart: 1`` when restart-only); a successful
-  ``/verify`` or ``/close_session``, or a ``/step`` reply with
-  ``terminated``/``truncated``, ends it (its state is freed);
+  ``/verify``, or a ``/step`` reply with ``terminated``/``truncated``,
+  finishes the episode (no longer live; its state stays with the server,
+  whose later replies are its own: see `participants.nemo_gym.finished`),
+  and ``/close_session`` or a retire frees it;
 - ``/close_session`` never waits and is never refused; the front answers it
   itself when the app has no such route.
 
@@ -34,7 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from participants.resources import ResourcesMode, ResourcesParticipant
+from participants.nemo_gym.finished import WrappedResources
+from participants.resources import ResourcesMode
 from ray_ckpt.control.asgi import ASGIApp, Message, Receive, Scope, Send, send_error, send_json
 from ray_ckpt.errors import CheckpointError, InvalidRequest
 from ray_ckpt.identity import EpisodeId, parse_rollout_path
@@ -97,10 +100,11 @@ def has_route(app: Any, path: str) -> bool:
 class _Reply:
     """Forwards the app's reply, acting on it before the caller can see it.
 
-    The session is bound (seed) or ended (verify, close) when the reply's
-    start passes, and a terminal `/step` ends it before its last body chunk:
-    the handler is done with the state by then, and a caller that reacts to
-    the reply (a retire right after a seed) finds the session already known.
+    The session is bound (seed), finished (verify) or freed (close) when
+    the reply's start passes, and a terminal `/step` finishes it before its
+    last body chunk: the handler is done with the state by then, and a caller
+    that reacts to the reply (a retire right after a seed) finds the session
+    already known.
     """
 
     def __init__(
@@ -128,7 +132,9 @@ class _Reply:
             message = {**message, "headers": self._headers(message.get("headers", []))}
             if self.ok and self._route in front.seed_routes:
                 front.participant.bind_session(self._episode)
-            elif self.ok and (self._route in front.end_routes or self._route == CLOSE_ROUTE):
+            elif self.ok and self._route in front.end_routes:
+                front.participant.finish_session(self._episode)
+            elif self.ok and self._route == CLOSE_ROUTE:
                 await front.participant.end_session(self._episode)
         elif message["type"] == "http.response.body" and self._read:
             chunk: bytes = message.get("body", b"")
@@ -136,7 +142,7 @@ class _Reply:
             if self._size <= _MAX_TERMINAL_BODY:
                 self._chunks.append(chunk)
             if not message.get("more_body", False) and self._ended():
-                await front.participant.end_session(self._episode)
+                front.participant.finish_session(self._episode)
         await self._send(message)
         if (
             message["type"] == "http.response.body"
@@ -192,7 +198,7 @@ class EpisodeFront:
     def __init__(
         self,
         app: ASGIApp,
-        participant: ResourcesParticipant,
+        participant: WrappedResources,
         *,
         verify_mode: StepMode = StepMode.WAIT,
         seed_routes: Sequence[str] = SEED_ROUTES,

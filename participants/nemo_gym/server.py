@@ -25,8 +25,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from participants.nemo_gym.codecs import Codecs, SessionCodec
+from participants.nemo_gym.finished import WrappedResources
 from participants.nemo_gym.front import EpisodeFront, bind_sessions, has_route
-from participants.resources import ResourcesMode, ResourcesParticipant
+from participants.resources import ResourcesMode
 from ray_ckpt.control.asgi import ASGIApp
 from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.errors import InvalidCheckpointState
@@ -143,7 +144,7 @@ class NemoGymServer:
         self.codecs = codecs if codecs is not None else Codecs()
         self.states = SessionStates(server, fields, self.codecs, field_codecs)
         mode = ResourcesMode.EXPORTED if exported else ResourcesMode.RESTART_ONLY
-        self.participant = ResourcesParticipant(self.states, mode=mode)
+        self.participant = WrappedResources(self.states, mode=mode)
         self.verify_mode: StepMode = step_mode(verify_mode)
         self.front: EpisodeFront | None = None
 

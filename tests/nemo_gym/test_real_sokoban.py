@@ -43,7 +43,7 @@ def step_body(move: str) -> dict[str, Any]:
 async def play(
     real: RealGym, at: Callable[[str, str], str], key: str, moves: list[str]
 ) -> list[tuple[int, Any]]:
-    """Each step's status and reply (a finished episode answers 400 from then on)."""
+    """Each step's status and reply."""
     return [await real.post(at(key, "step"), step_body(m)) for m in moves]
 
 
@@ -89,3 +89,47 @@ async def test_without_a_codec_the_commit_names_the_unknown_type(
     ) in detail
     # The failed commit changed nothing: the episode plays on.
     assert (await real.post(live.at("r", "step"), step_body("Up")))[0] == 200
+
+
+# The bare server runs in this process, where warnings are errors: gym_sokoban's
+# own rendering calls imageio's deprecated `imread` (the hosted one runs in a
+# Ray worker, which does not turn warnings into errors).
+@pytest.mark.filterwarnings("ignore:Starting with ImageIO v3:DeprecationWarning")
+async def test_steps_past_the_end_answer_as_the_unwrapped_server(real: RealGym) -> None:
+    """The wrapper never changes the server's replies: after the terminal step
+    Sokoban answers ``terminated`` again from its kept session state (not
+    ``400 Session not initialized``); the episode is over for the wrapper
+    (no longer live), and the caller's close frees it."""
+    from resources_servers.grl_sokoban.app import GrlSokobanResourcesServer
+
+    from participants.nemo_gym.factory import build_server
+    from ray_ckpt.hosting.serving import bind_socket, serve_app, socket_address
+
+    short = {**RESET, "max_steps": 3}  # terminal at the third step
+    moves = MOVES[:5]
+    live = await real.start(spec("sokoban-end", SERVER), register=False)
+    wrapped = [await real.ok(live.at("r", "reset"), short)]
+    wrapped += await play(real, live.at, "r", moves)
+
+    bare = build_server(GrlSokobanResourcesServer, name="bare")
+    sock = bind_socket("127.0.0.1", 0)
+    serving = await serve_app(bare.setup_webserver(), sock, drain_s=0.5)
+    host, port = socket_address(sock)
+    try:
+        # Its own cookie jar: the bare server keys the episode by its cookie session.
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as own:
+            url = f"http://{host}:{port}"
+            async with own.post(f"{url}/reset", json=short) as resp:
+                unwrapped: list[Any] = [await resp.json()]
+            for move in moves:
+                async with own.post(f"{url}/step", json=step_body(move)) as resp:
+                    unwrapped.append((resp.status, await resp.json()))
+    finally:
+        await serving.stop()
+    assert [r[1]["terminated"] for r in unwrapped[1:]] == [False, False, True, True, True]
+    assert wrapped == unwrapped
+    status = await live.handle.status.remote()
+    assert status["report"]["counts"]["sessions"] == 0
+    assert status["report"]["counts"]["finished"] == 1
+    assert await real.ok(live.at("r", "close_session")) == {"closed": True}
+    assert (await real.post(live.at("r", "step"), step_body("Up")))[0] == 400

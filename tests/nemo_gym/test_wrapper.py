@@ -22,6 +22,7 @@ from ray_ckpt.control.asgi import ControlASGIMiddleware
 from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.hosting.serving import Serving, bind_socket, serve_app, socket_address
+from ray_ckpt.identity import EpisodeId
 from ray_ckpt.settings import CheckpointSettings
 from tests.nemo_gym.nemo_like import CounterServer, wait_entered
 
@@ -191,15 +192,63 @@ async def test_sessions_end_on_verify_terminal_step_and_close(
     _, reward, _ = await post(http, h.at("v", "verify"))
     assert reward == {"reward": 0.0}
     await post(http, h.at("s", "step"), {"action": 4})
-    assert "s" in h.server.session_id_to_counter  # not over yet
+    assert h.gym.participant.sessions == {EpisodeId("s"), EpisodeId("c")}
     _, reply, _ = await post(http, h.at("s", "step"), {"action": 6})
     assert reply["terminated"] is True
+    # Over: no longer live (never exported, never a restart), but the state is
+    # the server's until the caller closes or retires it.
+    assert h.gym.participant.sessions == {EpisodeId("c")}
+    assert h.gym.participant.finished == {EpisodeId("v"), EpisodeId("s")}
+    assert h.server.session_id_to_counter == {"v": 0, "s": 10, "c": 0}
+    # A verify of an episode never seeded here (a stateless verifier's) tracks nothing.
+    assert (await post(http, h.at("z", "verify")))[:2] == (200, {"reward": 0.0})
+    assert h.gym.participant.finished == {EpisodeId("v"), EpisodeId("s")}
+    report = await h.ctl.handle("prepare", body("c1"))
+    assert report["report"]["counts"]["sessions"] == 1
+    assert report["report"]["counts"]["finished"] == 2
+    await h.ctl.handle("resume", body("c1"))
     # The server has no /close_session: the front answers it (never refused).
     status, closed, _ = await post(http, h.at("c", "close_session"))
     assert (status, closed) == (200, {"closed": True})
+    assert (await post(http, h.at("v", "close_session")))[:2] == (200, {"closed": True})
+    retired = await h.ctl.handle("retire", body("x", episode_ids=[{"rollout_id": "s"}]))
+    assert retired["retired"] == ["s"]
     assert h.gym.participant.sessions == set()
+    assert h.gym.participant.finished == set()
     assert h.server.session_id_to_counter == {}
     assert h.server.session_id_to_rng == {}
+
+
+async def test_replies_past_the_end_of_an_episode_are_the_unwrapped_servers(
+    start: Start, http: aiohttp.ClientSession
+) -> None:
+    """The wrapper never changes a server's own replies: a `/step` after the
+    terminal one, and a call after `/verify`, answer as the bare server does."""
+    h = await start(exported=True)
+    bare = CounterServer()
+    sock = bind_socket("127.0.0.1", 0)
+    serving = await serve_app(bare.setup_webserver(), sock, drain_s=0.5)
+    host, port = socket_address(sock)
+    calls: list[tuple[str, dict[str, Any]]] = [
+        ("seed_session", {"initial_count": 1, "seed": 5}),
+        ("step", {"action": 4}),
+        ("step", {"action": 6}),  # terminal
+        ("step", {"action": 1}),  # past the end
+        ("get_counter_value", {}),
+        ("verify", {}),
+        ("get_counter_value", {}),
+    ]
+    try:
+        # Its own cookie jar: the bare server keys the episode by its cookie session.
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as own:
+            for route, data in calls:
+                wrapped = (await post(http, h.at("r", route), data))[:2]
+                unwrapped = (await post(own, f"http://{host}:{port}/{route}", data))[:2]
+                assert wrapped == unwrapped, route
+    finally:
+        await serving.stop()
+    assert h.gym.participant.sessions == set()
+    assert h.gym.participant.finished == {EpisodeId("r")}
 
 
 async def test_restart_only_by_default_says_so_and_exports_nothing(
