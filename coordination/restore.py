@@ -119,6 +119,9 @@ async def restore(
         time.monotonic() - start,
     )
     resume_failures = await driver.resume_everyone(cid) if resume else {}
+    if lost := {k: f for k, f in resume_failures.items() if f["code"] == "restored_state_lost"}:
+        await undo_restore(driver, cid, episodes, deadline_ts)  # restored state died: none continue
+        raise coordination_failed("restore", cid, lost)
     return RestoreResult(
         checkpoint_id=cid,
         source_checkpoint_id=source_id,

@@ -38,6 +38,9 @@ class Reason(StrEnum):
     RECEIPTS_OFF = "receipts_off"
     RESULT_HELD = "result_held"
     MEMBERSHIP_CHANGED = "membership_changed"
+    # A multi-worker participant lost a worker holding restored state
+    # between the restore's install and its resume (`ray_ckpt.workers`).
+    RESTORED_STATE_LOST = "restored_state_lost"
 
     @property
     def http_status(self) -> int:
@@ -70,6 +73,7 @@ _HTTP_STATUS: dict[Reason, int] = {
     Reason.RECEIPTS_OFF: 409,
     Reason.RESULT_HELD: 409,
     Reason.MEMBERSHIP_CHANGED: 409,
+    Reason.RESTORED_STATE_LOST: 409,
 }
 
 # Retrying the same call can succeed: the deadline was too short, admission
@@ -206,6 +210,14 @@ class MembershipChanged(CheckpointError):
     reason = Reason.MEMBERSHIP_CHANGED
 
 
+class RestoredStateLost(CheckpointError):
+    """A restore's resume refused: a worker that held installed episodes was
+    lost after the install, so those episodes cannot continue; the restore
+    fails whole (retire their next attempts and start them over)."""
+
+    reason = Reason.RESTORED_STATE_LOST
+
+
 class ReceiptsOff(CheckpointError):
     """An acknowledgement reached a participant that holds no results
     (completion receipts off, or a kind that finishes no episodes)."""
@@ -261,6 +273,7 @@ _BY_REASON: dict[Reason, type[CheckpointError]] = {
         ReceiptsOff,
         ResultHeld,
         MembershipChanged,
+        RestoredStateLost,
     )
 }
 

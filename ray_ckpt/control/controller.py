@@ -259,6 +259,10 @@ class ParticipantController:
             if self.state.phase is Phase.RESTORED:
                 await self._restores.installed()
                 await self._restores.settle()
+                # Installed state lost since (a worker died): the restore
+                # fails whole; admission stays closed until its attempts are
+                # retired or the lease lapses (they are fenced either way).
+                self._restores.check_whole()
                 self._restores.end()
             await self._apply(self.state.fire(Event.RESUME))
             self._background.release(cid)  # an asynchronous commit's write, now

@@ -16,6 +16,12 @@ An install that succeeds raises the retire marks of the attempts it
 replaced (attempt N of each rollout when it installs N + 1), so a late data
 call of an older attempt is refused `stale_attempt` until `forget`.
 
+The restore's resume first asks the participant whether it is still whole
+(`check_whole`): a multi-worker participant that lost a worker since the
+install lost the episodes that worker held, so the restore that reported
+them restored must fail, all or nothing, rather than reopen admission and
+let them start over silently.
+
 The controller keeps the phase machine, the lock and the restore's order of
 steps; this module holds the restore's own state and its work on the
 participant and the store.
@@ -39,6 +45,7 @@ from ray_ckpt.errors import (
     InvalidCheckpointState,
     InvalidPhase,
     InvalidRequest,
+    RestoredStateLost,
 )
 from ray_ckpt.identity import EpisodeId, is_result_key
 from ray_ckpt.storage.record import Record
@@ -210,6 +217,21 @@ class Restores:
                 c.instance,
                 install.checkpoint_id,
                 freed,
+            )
+
+    def check_whole(self) -> None:
+        """Before the restore's resume: refuse it (`RestoredStateLost`) if the
+        participant lost installed state since the install and nobody
+        retired it since.  The optional hook `restored_lost()` answers, by
+        part lost (a worker), the capture keys of the attempts that went."""
+        c = self._controller
+        hook = getattr(c.participant, "restored_lost", None)
+        lost: dict[str, list[str]] = hook() if hook is not None else {}
+        if lost:
+            named = "; ".join(f"{part}: {', '.join(keys)}" for part, keys in lost.items())
+            raise RestoredStateLost(
+                f"{c.kind}/{c.instance}: restored state lost since the install ({named}); "
+                "those episodes cannot continue: retire them and start them over"
             )
 
     def end(self) -> None:

@@ -8,7 +8,17 @@ reports arrive).  The asynchronous hooks fan out and fail whole: an export
 with any worker lost, unreported or failing raises, so a checkpoint never
 holds a part of a server.  Restored records are installed into the worker
 their rollout routes to (`routing.owner_index` over today's worker count,
-whatever the count was at the checkpoint).
+whatever the count was at the checkpoint).  An install fails whole: if any
+worker fails (or is lost before the install ends), every worker it reached
+drops its part, held results included.
+
+A restored episode lives in one worker.  If that worker is lost after the
+install, the episode's state is gone although the restore reported it
+restored: its next attempt is fenced at once on every worker (the fence the
+replacement starts with included), so a late call of it is refused
+`stale_attempt` and never silently starts over, and until the restore's
+resume the loss is kept (`restored_lost`), for the controller to refuse that
+resume (`RestoredStateLost`) unless those attempts were retired meanwhile.
 
 A server declared stateless has nothing to export and nothing to park: its
 workers are closed and reopened (so they drain), but it is always ready and
@@ -24,6 +34,7 @@ from typing import Any
 
 import msgspec
 
+from ray_ckpt.control.retire_marks import retire_scope
 from ray_ckpt.control.wire import Blocker, PrepareReport
 from ray_ckpt.errors import InvalidCheckpointState, ParticipantUnavailable
 from ray_ckpt.identity import EpisodeId, check_record_key, is_result_key
@@ -38,6 +49,10 @@ log = logging.getLogger(__name__)
 # A restore closes admission just before it installs: how long the install
 # waits for every worker to confirm that close.
 INSTALL_REPORT_WAIT_S = 10.0
+
+
+def _order(episode: EpisodeId) -> tuple[str, int]:
+    return (episode.rollout_id, episode.attempt)
 
 
 async def _logged(coro: Any, kind: str) -> None:
@@ -59,6 +74,12 @@ class WorkersParticipant:
         self._tasks: set[asyncio.Task[None]] = set()
         # The results the workers hold, for ack and collect (`receipt_ops`).
         self.worker_receipts = WorkerReceipts(pool)
+        # The restored attempts each worker holds (installed, not yet retired
+        # or forgotten), and those lost with their worker before the restore's
+        # resume (worker ID -> attempts).
+        self._restored: dict[str, set[EpisodeId]] = {}
+        self._lost_restored: dict[str, set[EpisodeId]] = {}
+        pool.on_lost = self._worker_lost
 
     def bind(self, notify: Callable[[], None]) -> None:
         self._notify = notify
@@ -76,6 +97,9 @@ class WorkersParticipant:
         self._notify()
 
     def open_admission(self) -> None:
+        # The restore's resume (or its lapsed lease) is past: what it lost is
+        # fenced; nobody asks any more.
+        self._lost_restored.clear()
         generation = self.table.open()
         self._spawn(self.pool.tell_all("open", {"generation": generation}))
         self._notify()
@@ -159,33 +183,95 @@ class WorkersParticipant:
         await self._reported()
         self._require_complete("install")
         groups = self._by_owner(records)
-        results = await asyncio.gather(
-            *(self.pool.call(w, "install", {"records": group}) for w, group in groups.items()),
-            return_exceptions=True,
-        )
-        installed: list[EpisodeId] = []
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-            installed.extend(msgspec.convert(result["installed"], list[EpisodeId]))
+        by_worker: dict[str, list[EpisodeId]] = {}
+        try:
+            results = await asyncio.gather(
+                *(self.pool.call(w, "install", {"records": g}) for w, g in groups.items()),
+                return_exceptions=True,
+            )
+            for wid, result in zip(groups, results, strict=True):
+                if isinstance(result, BaseException):
+                    raise result
+                by_worker[wid] = msgspec.convert(result["installed"], list[EpisodeId])
+            # A worker lost after it answered: what it installed is gone.
+            self._require_complete("install")
+        except BaseException:
+            await self._uninstall(groups)
+            raise
+        for wid, episodes in by_worker.items():
+            self._restored.setdefault(wid, set()).update(episodes)
         for record in records:
             if not is_result_key(record.key):  # a held result is no attempt
                 self._mark(record.episode_id)
-        return installed
+        return [e for episodes in by_worker.values() for e in episodes]
+
+    async def _uninstall(self, groups: dict[str, list[Record]]) -> None:
+        """A failed install leaves nothing on any worker it reached (the
+        controller's `delete_restored(())` frees episodes, not held results)."""
+        wids = sorted(groups)
+        results = await asyncio.gather(
+            *(self.pool.call(w, "uninstall", {"keys": [r.key for r in groups[w]]}) for w in wids),
+            return_exceptions=True,
+        )
+        for wid, result in zip(wids, results, strict=True):
+            if isinstance(result, BaseException):
+                # A lost worker lost its part with it; any other failure is logged.
+                log.warning("%s: undoing the install on %s failed: %r", self.kind, wid, result)
+
+    # --- restored state lost with its worker ------------------------------------------
+    def _worker_lost(self, wid: str) -> None:
+        """`wid`'s process is gone, and the restored attempts it held with it:
+        fence them everywhere before a replacement can say hello."""
+        gone = self._restored.pop(wid, set())
+        if not gone:
+            return
+        for episode in gone:
+            self._mark(episode)
+        if self.table.closed:
+            self._lost_restored.setdefault(wid, set()).update(gone)
+        log.warning(
+            "%s: worker %s lost restored attempts %s; fenced",
+            self.kind,
+            wid,
+            sorted(e.capture_key for e in gone),
+        )
+        body = {"episodes": [msgspec.to_builtins(e) for e in sorted(gone, key=_order)]}
+        self._spawn(self.pool.call_all("mark", body))
+
+    def restored_lost(self) -> dict[str, list[str]]:
+        """The restored attempts lost with their worker since the install and
+        not retired since, by worker ID (capture keys): the restore's resume
+        is refused while any remain."""
+        return {
+            wid: sorted(e.capture_key for e in gone)
+            for wid, gone in sorted(self._lost_restored.items())
+            if gone
+        }
+
+    def _drop_restored(self, covered: Callable[[EpisodeId], bool]) -> None:
+        for held in (*self._restored.values(), *self._lost_restored.values()):
+            held.difference_update([e for e in held if covered(e)])
 
     async def retire(self, episode_ids: Sequence[EpisodeId]) -> list[str]:
         for episode in episode_ids:
             self._mark(episode)
+        # Retired attempts are over: their loss no longer refuses a resume.
+        self._drop_restored(retire_scope(episode_ids))
         replies = await self.pool.call_all("retire", {"episodes": list(episode_ids)})
         return sorted({k for reply in replies.values() for k in reply["keys"]})
 
     async def delete_restored(self, keep: Sequence[EpisodeId]) -> list[str]:
         replies = await self.pool.call_all("delete_restored", {"keep": list(keep)})
-        return sorted({k for reply in replies.values() for k in reply["keys"]})
+        freed = sorted({k for reply in replies.values() for k in reply["keys"]})
+        gone = set(freed)
+        self._drop_restored(lambda e: e.capture_key in gone)
+        return freed
 
     def forget(self, rollout_ids: list[str]) -> None:
         for rollout in rollout_ids:
             self.pool.marks.pop(rollout, None)
+        forgotten = set(rollout_ids)
+        self._drop_restored(lambda e: e.rollout_id in forgotten)
         self._spawn(self.pool.call_all("forget", {"rollouts": rollout_ids}))
 
     async def park_exported(self, records: Sequence[Record]) -> None:

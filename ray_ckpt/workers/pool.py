@@ -59,6 +59,12 @@ class WorkerPool:
         self.max_frame_bytes = max_frame_bytes
         self.respawn_delay_s = respawn_delay_s
         self.marks: dict[str, int] = {}  # the attempt fence, mirrored to new workers
+        # Told of every worker incarnation that is gone (lost, or replaced
+        # unnoticed), before a replacement's hello reads `marks`.
+        self.on_lost: Callable[[str], None] = lambda wid: None
+        # The workers' servers hold finished results (completion receipts):
+        # what they were built with, said at each hello; never a report.
+        self.holds_results = False
         self.channels: dict[str, tuple[int, Channel]] = {}  # id -> (incarnation, channel)
         self.urls: dict[int, str] = {}  # index -> private URL
         self.peers_version = 0  # bumped on every change of `urls`
@@ -154,7 +160,10 @@ class WorkerPool:
             old = self.channels.pop(wid, None)
             if old is not None:
                 await old[1].aclose()
+            if wid in self.table.members():
+                self.on_lost(wid)  # replaced before its loss was noticed
             incarnation = self.table.join(wid, int(body["pid"]))
+            self.holds_results = self.holds_results or bool(body.get("holds_results"))
             me.update(wid=wid, incarnation=incarnation)
             self.channels[wid] = (incarnation, channel)
             self.urls[index] = str(body["url"])
@@ -211,6 +220,7 @@ class WorkerPool:
         if self.table.lose(wid, incarnation):
             if not self._stopping:
                 log.warning("%s: worker %s lost", self.spec.actor_name, wid)
+                self.on_lost(wid)  # a stopping host fences nothing any more
             entry = self.channels.get(wid)
             if entry is not None and (incarnation is None or entry[0] == incarnation):
                 del self.channels[wid]

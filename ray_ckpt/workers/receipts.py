@@ -9,7 +9,15 @@ owner did), so the host asks them all and merges:
   some worker (`UnknownReceipt` otherwise, and no worker is asked to change
   anything), then each worker acknowledges the ones it knows;
 - `collect`: every worker's held results, in capture-key order;
-- the counts `status` shows come from the workers' latest reports.
+- the counts `status` shows come from each worker's last report, whatever
+  its generation (a close or open starts a generation no one reported at yet).
+
+Whether receipts are on is the server's configuration, not a report: each
+worker says at its hello whether its server holds results (it was built with
+them or not), and the pool keeps that.  Deciding it from this generation's
+reports read "off" right after every close or open of admission (a restore's
+resume included), refusing `ack` and collecting nothing exactly when a
+restored host hands its held results out again.
 
 `answer_receipts` is the worker's side of each operation.
 
@@ -63,12 +71,12 @@ class WorkerReceipts:
         self.pool = pool
 
     def on(self) -> bool:
-        """True if the workers hold results (their participants have receipts on)."""
-        return any(r.held >= 0 for r in self.pool.table.current().values())
+        """True if the workers' servers hold results (built with receipts on)."""
+        return self.pool.holds_results
 
     def counts(self) -> tuple[int, int]:
-        """(results, bytes) held across the workers, as last reported."""
-        reports = [r for r in self.pool.table.current().values() if r.held >= 0]
+        """(results, bytes) held across the workers, as each last reported."""
+        reports = [r for r in self.pool.table.latest().values() if r.held >= 0]
         return sum(r.held for r in reports), sum(r.held_bytes for r in reports)
 
     async def _known_by(self, wanted: Sequence[Receipt]) -> dict[str, list[Receipt]]:

@@ -139,6 +139,11 @@ class WorkerTable:
             if s.report is not None and s.report.generation == self.generation
         }
 
+    def latest(self) -> dict[str, WorkerReport]:
+        """Each connected worker's last report, whatever its generation: what it
+        holds right after a close or open, until it reports at the new one."""
+        return {w: s.report for w, s in self._workers.items() if s.report is not None}
+
     def unreported(self) -> int:
         lost_here = sum(1 for w in self._lost if w not in self._workers)
         return max(self.expected - len(self.current()) - lost_here, 0)

@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Callable
 from typing import Any, cast
 
 import msgspec
@@ -29,7 +30,7 @@ from ray_ckpt.control.retire_marks import RetiredAttempts
 from ray_ckpt.control.wire import MAX_REPORTED_BLOCKERS
 from ray_ckpt.hosting.serving import bind_socket, socket_address
 from ray_ckpt.hosting.spec import GymServer, load_server
-from ray_ckpt.identity import EpisodeId, is_result_key
+from ray_ckpt.identity import EpisodeId, episode_of_result_key, is_result_key
 from ray_ckpt.steps.receipts import ResultReceipts
 from ray_ckpt.storage.record import Record
 from ray_ckpt.workers.channel import Channel
@@ -69,10 +70,20 @@ class WorkerRuntime:
         self.incarnation = 0
         self.channel: Channel | None = None
         self._dirty = asyncio.Event()
+        # Told too whenever a report is due (an in-process pool reports at once).
+        self.on_dirty: Callable[[], None] = lambda: None
         self.stop_requested = asyncio.Event()
+        # An install and the undo of a failed one never interleave: the undo,
+        # sent after the install, waits for it to end on this worker.
+        self._installing = asyncio.Lock()
         if config.spec.checkpoint_settings().enabled:
             server.attach(cast(Any, self.fence))
-        self.participant.bind(self._dirty.set)
+        self.participant.bind(self.dirty)
+
+    def dirty(self) -> None:
+        """The participant's readiness or counts may have changed: report."""
+        self._dirty.set()
+        self.on_dirty()
 
     # --- reports -----------------------------------------------------------
     def held(self) -> ResultReceipts | None:
@@ -119,18 +130,26 @@ class WorkerRuntime:
                 return self.report()  # overtaken by a newer close or open: ignore it
             (p.close_admission if op == "close" else p.open_admission)()
             self.generation = generation
-            self._dirty.set()
+            self.dirty()
             return self.report()
         if op == "export":
             scope = None if body.get("scope") is None else _episodes(body["scope"])
             return {"records": await p.export(scope)}
         if op == "install":
             records = msgspec.convert(body["records"], list[Record])
-            installed = await p.install(records)
+            async with self._installing:
+                installed = await p.install(records)
             for record in records:
                 if not is_result_key(record.key):  # a held result is no attempt
                     self.fence.retired.mark(record.episode_id)
             return {"installed": installed}
+        if op == "uninstall":
+            return {"keys": await self._uninstall(list(body["keys"]))}
+        if op == "mark":
+            # Restored attempts another worker held and lost: refused here too.
+            for episode in _episodes(body["episodes"]):
+                self.fence.retired.mark(episode)
+            return {}
         if op == "retire":
             episodes = _episodes(body["episodes"])
             for episode in episodes:
@@ -156,10 +175,25 @@ class WorkerRuntime:
             return {}
         raise ValueError(f"unknown worker operation {op!r}")
 
+    async def _uninstall(self, keys: list[str]) -> list[str]:
+        """Undo this worker's part of an install the server's restore failed
+        elsewhere: its restored episodes and the held results it installed
+        (the participant's `delete_restored` frees episodes, never results)."""
+        async with self._installing:
+            freed = await self.participant.delete_restored(())
+            held = self.held()
+            if held is not None:
+                results = [episode_of_result_key(k) for k in keys if is_result_key(k)]
+                # A restore runs in a fresh worker: every result of these
+                # rollouts it holds came with this install.
+                freed += held.drop_retired(results)
+        self.dirty()
+        return sorted(freed)
+
     def _receipts(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
         reply = answer_receipts(self.held(), op, body)
         if op == "receipts_ack":
-            self._dirty.set()  # readiness may change (the bound), and the counts did
+            self.dirty()  # readiness may change (the bound), and the counts did
         return reply
 
 
@@ -197,7 +231,13 @@ async def run_worker(config: WorkerConfig) -> None:
     runtime.channel = channel
     channel.start()
     hello = await channel.call(
-        "hello", {"index": config.index, "pid": os.getpid(), "url": f"http://{host}:{port}"}
+        "hello",
+        {
+            "index": config.index,
+            "pid": os.getpid(),
+            "url": f"http://{host}:{port}",
+            "holds_results": runtime.held() is not None,
+        },
     )
     runtime.incarnation = int(hello["incarnation"])
     runtime.fence.load(hello["marks"])

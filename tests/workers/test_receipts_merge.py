@@ -22,7 +22,8 @@ class DirectPool:
 
     def __init__(self, held: dict[str, ResultReceipts | None]) -> None:
         self.held = held
-        self.table = SimpleNamespace(current=self._reports)
+        self.table = SimpleNamespace(current=self._reports, latest=self._reports)
+        self.holds_results = any(h is not None for h in held.values())
 
     def _reports(self) -> dict[str, WorkerReport]:
         return {
