@@ -48,13 +48,21 @@ from coordination.roots import restore_target, retain, write_latest_quietly
 from coordination.signal_budget import cut_budget
 from participants.fleet import KIND_ORDER, FleetConfig
 from participants.rollout import make_tasks, result_digest, run_episode
+from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.control.wire import Receipt
-from ray_ckpt.errors import CheckpointError, InvalidCheckpointState, ParticipantUnavailable
+from ray_ckpt.errors import (
+    AdmissionClosed,
+    CheckpointError,
+    InvalidCheckpointState,
+    ParticipantUnavailable,
+)
 from ray_ckpt.identity import EpisodeId
+from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.storage import open_location, read_gym_manifest, verify_checkpoint
 from ray_ckpt.storage.pointer import read_latest
 from ray_ckpt.storage.seam import FileRecordStore
 from tests.e2e.conftest import until
+from tests.unit.inprocess_workers import TOKEN, Hold, InProcessPool, make_workers_participant
 from tests.unit.sequences_harness import Scenario, SeqGym
 
 Outcome = tuple[str, str]  # ("result", digest) | ("failure", code)
@@ -84,7 +92,10 @@ FAULTS = (
     "deadline",  # a checkpoint's prepare deadline passes mid-step
     "retry_dir",  # a failed checkpoint is retried into the same directory
     "restore_live",  # a restore aimed at the live fleet
+    "worker_death",  # one worker of the multi-worker server dies (idle, restored, resumed)
 )
+# The result of a side rollout: one step, continued or not (`EnvLikeServer.run`).
+SIDE_RESULT = {"steps": 1}
 # Checkpoint triggers and ways a trainer takes one.
 CHECKPOINTS = ("whole_sync", "whole_async", "split", "periodic", "signal", "drain")
 
@@ -96,6 +107,10 @@ class SimScenario:
     full_every: int  # 1: every checkpoint full; more: incremental chains
     faults: frozenset[str]
     n_actions: int
+    # Workers of the multi-worker environment server beside the fleet (0: none)
+    # and the rollouts it serves (`EnvLikeServer`: one step, then held live).
+    workers: int = 0
+    side: tuple[str, ...] = ()
 
     @property
     def config(self) -> FleetConfig:
@@ -122,7 +137,17 @@ class SimScenario:
             tasks[f"g{seed}r{i}"] = make_tasks(1, steps=rng.randint(1, 4), seed=seed * 100 + i)[0]
         base = Scenario(seed, config, tasks, {}, 0, 0.0)
         faults = frozenset(f for f in FAULTS if rng.random() < 0.4)
-        return cls(seed, base, rng.choice([1, 2, 8]), faults, rng.randint(8, 16))
+        workers = rng.choice([0, 2, 2, 3])
+        side = tuple(f"g{seed}w{i}" for i in range(rng.randint(2, 4))) if workers else ()
+        if not workers:
+            faults -= {"worker_death"}
+        return cls(
+            seed, base, rng.choice([1, 2, 8]), faults, rng.randint(8, 16), workers, side
+        )
+
+    @property
+    def side_key(self) -> str:
+        return f"environment/side-g{self.seed}"
 
 
 class FaultyStore:
@@ -167,6 +192,55 @@ class SimHost(FakeHost):
         return reply
 
 
+@dataclass
+class SideServer:
+    """The multi-worker environment server: real `WorkersParticipant` and worker
+    runtimes over an in-process pool (`tests.unit.inprocess_workers`)."""
+
+    participant: Any
+    pool: InProcessPool
+    controller: ParticipantController
+    stopped: bool = False
+
+    async def run(self, episode: EpisodeId, **kw: Any) -> dict[str, Any]:
+        """A data call of `episode` on its worker, retrying `admission_closed`;
+        the worker's death fails it (`ParticipantUnavailable`), as a kill -9
+        ends the connection of a call in flight."""
+        while True:
+            wid = self.pool.owner(episode.rollout_id)
+            worker = self.pool._workers.get(wid)
+            if worker is None or self.stopped:
+                raise ParticipantUnavailable(f"the worker of {episode} is gone")
+            call = asyncio.ensure_future(worker.runtime.server.run(episode, **kw))
+            try:
+                await asyncio.wait({call, worker.dead}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            if not call.done():
+                call.cancel()
+                with contextlib.suppress(BaseException):
+                    await call
+                raise ParticipantUnavailable(f"the worker of {episode} died")
+            if call.cancelled():
+                # Stopped on the server's side (a retire cancels the attempt's
+                # handler): the caller's connection ends without a reply.
+                raise ParticipantUnavailable(f"the call of {episode} was stopped")
+            try:
+                reply: dict[str, Any] = call.result()
+                return reply
+            except AdmissionClosed:
+                await asyncio.sleep(0.005)
+
+    async def stop(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        await self.controller.aclose()
+        await self.participant.aclose()
+        await self.pool.stop()
+
+
 class SimGym(SeqGym):
     """The reference fleet with the probes of `SeqGym` and the faults above."""
 
@@ -186,6 +260,7 @@ class SimGym(SeqGym):
         self.dead: set[str] = set()
         # Capture key -> did its run begin at a restored boundary (each fleet).
         self.began: dict[str, bool] = {}
+        self.side: SideServer | None = None
 
     def _write_manifest(self, d: str, cid: str, manifests: list[dict[str, Any]]) -> None:
         if self.manifest_delay_s:
@@ -216,8 +291,31 @@ class SimGym(SeqGym):
             sim_host = SimHost(host.member, ctrl, self)
             self.core.register(sim_host)
             hosts.append(sim_host)
+        if self.sim.workers:
+            hosts.append(await self._launch_side())
         self.hosts = hosts
         self._watch_begins(self.server("environment"))
+
+    async def _launch_side(self) -> SimHost:
+        receipts = self.sim.config.completion_receipts
+        participant, pool = make_workers_participant(
+            "environment", self.sim.workers, completion_receipts=receipts
+        )
+        key = self.sim.side_key
+        member = Member.parse(key)
+        settings = CheckpointSettings.model_validate(
+            {"enabled": True, "control_auth_token": TOKEN, "completion_receipts": receipts}
+        )
+        inner = FileRecordStore(full_every=self.sim.full_every)
+        ctrl = ParticipantController(
+            participant, instance=member.name, settings=settings,
+            store=FaultyStore(inner, self, key),  # type: ignore[arg-type]
+        )
+        await pool.reported()
+        self.side = SideServer(participant, pool, ctrl)
+        host = SimHost(member, ctrl, self)
+        self.core.register(host)
+        return host
 
     def _watch_begins(self, env: Any) -> None:
         begin: Callable[..., Any] = env.steps.begin
@@ -230,6 +328,12 @@ class SimGym(SeqGym):
 
         env.steps.begin = watched
 
+    async def close(self) -> None:
+        if self.side is not None:
+            await self.side.stop()
+            self.side = None
+        await super().close()
+
     def controllers(self) -> dict[str, Any]:
         return {h.member.key: h.target for h in self.hosts if h.member.key not in self.dead}
 
@@ -239,12 +343,19 @@ class SimGym(SeqGym):
         host = next(h for h in self.hosts if h.member.key == key)
         host.dead = True
         self.dead.add(key)
-        await self.fleet.servers[host.member.kind].stop()
+        if key == self.sim.side_key:
+            assert self.side is not None
+            await self.side.stop()
+        else:
+            await self.fleet.servers[host.member.kind].stop()
 
     async def crash_all(self) -> None:
         """Every server of the fleet dies (the driver's calls were abandoned)."""
         for host in self.hosts:
             host.dead = True
+        if self.side is not None:
+            await self.side.stop()
+            self.side = None
         fleet, self.fleet = self.fleet, None
         if fleet is not None:
             await fleet.stop()
@@ -389,12 +500,14 @@ class Simulation:
     ) -> None:
         self.scenario = scenario
         self.rng = random.Random(f"run-{scenario.seed}")
-        self.expected = expected
         self.root = where / "root"
         self.root.mkdir(parents=True)
         self.session = session
         self.gym = SimGym(scenario)
         self.trainer = Trainer(scenario.base.tasks)
+        self.rollouts = [*scenario.base.tasks, *scenario.side]
+        self.expected = {**expected, **{r: ("result", result_digest(SIDE_RESULT)) for r in scenario.side}}
+        self.holds: dict[str, Hold] = {}  # side rollout -> its live attempt's hold
         self.log: list[str] = []
         self.violations: list[str] = []
         self.n = 0  # checkpoint directories made so far
@@ -424,6 +537,9 @@ class Simulation:
 
     # --- the trainer's runs ------------------------------------------------------
     def start(self, rollout: str, attempt: int = 0) -> None:
+        if rollout in self.scenario.side:
+            self.start_side(rollout, attempt)
+            return
         t = self.trainer
         t.started.add(rollout)
         t.attempts[rollout] = attempt
@@ -456,6 +572,50 @@ class Simulation:
             old.cancel()
         t.running[rollout] = asyncio.ensure_future(drive())
 
+    def start_side(self, rollout: str, attempt: int) -> None:
+        """A side rollout: one step on the multi-worker server, then live at its
+        boundary until the trainer lets it end (`release`); a continuation of a
+        restored attempt runs no step of its own and must find that step."""
+        t = self.trainer
+        t.started.add(rollout)
+        t.attempts[rollout] = attempt
+        episode = EpisodeId(rollout, attempt)
+        continuing = episode.capture_key in t.continuations
+        hold = None if continuing else Hold()
+        side = self.gym.side
+
+        async def drive() -> None:
+            try:
+                if side is None:
+                    raise ParticipantUnavailable("no multi-worker server is running")
+                reply = await side.run(
+                    episode, steps=0 if continuing else 1, finish=True, hold=hold
+                )
+            except CheckpointError as exc:
+                self._refused(episode, exc)
+                return
+            if t.attempts.get(rollout) != attempt or episode.capture_key in t.retired:
+                return
+            if continuing and not reply["continued"]:
+                t.problems.append(f"{episode.capture_key} was restored, its run began from scratch")
+            receipt = reply.get("receipt")
+            got = Receipt(**receipt) if isinstance(receipt, dict) else None
+            t.accept(rollout, ("result", result_digest({"steps": reply["steps"]})), got, "run")
+
+        if hold is not None:
+            self.holds[rollout] = hold
+        old = t.running.get(rollout)
+        if old is not None and not old.done():
+            old.cancel()
+        t.running[rollout] = asyncio.ensure_future(drive())
+
+    def release(self, everything: bool = False) -> None:
+        """Let some held side rollouts end (all of them with `everything`)."""
+        for rollout, hold in list(self.holds.items()):
+            if everything or self.rng.random() < 0.4:
+                hold.release.set()
+                del self.holds[rollout]
+
     def _refused(self, episode: EpisodeId, exc: CheckpointError) -> None:
         t = self.trainer
         code = str(exc.to_body()["error"]["code"])
@@ -468,6 +628,10 @@ class Simulation:
             return  # the Gym is broken: the trainer restores it (`recover`)
         if code == "result_held":
             return  # its result waits for collect
+        if code == "participant_unavailable" and episode.rollout_id in self.scenario.side:
+            # Its worker died with it (a kill -9 of a worker): start it over.
+            self.start(episode.rollout_id, episode.attempt + 1)
+            return
         if code == "stale_attempt" and episode.capture_key in t.continuations:
             # Fenced typed (retired, or a restored attempt whose state a
             # participant lost): the trainer starts the rollout over.
@@ -629,7 +793,7 @@ class Simulation:
         for outcome in self.watcher.outcomes[before:]:
             self.log.append(
                 f"  drain attempt {outcome.attempt}: ok={outcome.ok} {outcome.checkpoint_id} "
-                f"{(outcome.error or {}).get('code')}"
+                f"{(outcome.error or {}).get('code')} {str((outcome.error or {}).get('detail'))[:200]}"
             )
         done = [o for o in self.watcher.outcomes[before:] if o.ok]
         if done and done[-1].location is not None:
@@ -670,9 +834,15 @@ class Simulation:
     # --- restores -------------------------------------------------------------------
     async def recover(self, *, kill_when_restored: bool = False) -> None:
         """The Gym broke: the trainer kills what is left, relaunches and restores
-        the latest complete checkpoint (with its own state from the same step)."""
+        the latest complete checkpoint (with its own state from the same step).
+
+        `kill_when_restored`: a member dies between the install and the resume.
+        A worker of the multi-worker server may die there too, or right after
+        the resume, before the continuations' first call."""
         self.log.append("recover")
         await self.durable()
+        worker_death = self.gym.sim.workers and self.chance("worker_death", 0.5)
+        when = self.rng.choice(["restored", "resumed"]) if worker_death else None
         for attempt in range(4):
             await self.abandon_runs()
             await self.gym.crash_all()
@@ -689,8 +859,9 @@ class Simulation:
                 k = self.rng.choice(self.gym.keys)
                 self.gym.lose_replies[k] = "restore"
                 self.log.append(f"  reply_lost {k} restore")
+            split = kill_when_restored or when == "restored"
             try:
-                result = await self.gym.core.restore(where, episodes, resume=not kill_when_restored)
+                result = await self.gym.core.restore(where, episodes, resume=not split)
             except CheckpointError as exc:
                 self._disarm()
                 self.log.append(f"  restore of {Path(where).name} failed: {exc.detail[:120]}")
@@ -702,9 +873,34 @@ class Simulation:
                 await self.gym.core.resume()
                 kill_when_restored = False
                 continue
+            if when == "restored":
+                when = None
+                await self.kill_worker(result.restored, "restored")
+                resumed = await self.gym.core.resume()
+                if resumed.failures:
+                    # The restore failed whole: restore again into a fresh fleet.
+                    self.log.append(f"  resume refused: {sorted(resumed.failures)}")
+                    continue
+            elif when == "resumed":
+                await self.kill_worker(result.restored, "resumed")
             await self._continue_from(where, result.restored)
             return
         self.violations.append("no restore of the latest checkpoint succeeded in 4 tries")
+
+    async def kill_worker(self, restored: dict[str, list[str]] | None, when: str) -> None:
+        """One worker of the multi-worker server dies and is replaced (fresh);
+        after a restore, preferably one that holds restored state."""
+        side = self.gym.side
+        if side is None:
+            return
+        pool = side.pool
+        keys = (restored or {}).get(self.scenario.side_key, [])
+        owners = sorted({pool.owner(EpisodeId.from_capture_key(k).rollout_id) for k in keys})
+        wid = self.rng.choice(owners or [f"w{i}" for i in range(self.scenario.workers)])
+        self.log.append(f"  worker {wid} dies {when} (held {keys})")
+        with contextlib.suppress(KeyError):
+            pool.kill(wid, respawn=True)
+        await pool.reported()
 
     async def _continue_from(self, where: str, restored: dict[str, list[str]]) -> None:
         t = self.trainer
@@ -815,7 +1011,7 @@ class Simulation:
 
     async def step(self) -> None:
         t, rng, gym = self.trainer, self.rng, self.gym
-        pending = [r for r in t.tasks if r not in t.started]
+        pending = [r for r in self.rollouts if r not in t.started]
         if gym.dead:
             # A broken Gym: what runs unattended must refuse it; then the trainer restores.
             choice = rng.choice(["periodic", "signal", "drain", "recover", "recover"])
@@ -841,6 +1037,8 @@ class Simulation:
             choices += ["death"]
         if self.has("restore_live") and self.snapshots:
             choices += ["restore_live"]
+        if self.has("worker_death"):
+            choices += ["worker_death"]
         choices += ["crash"] if self.snapshots else []
         action = rng.choice(choices)
         if action == "start":
@@ -849,7 +1047,10 @@ class Simulation:
             self.start(rollout)
         elif action == "progress":
             self.log.append("progress")
+            self.release()
             await asyncio.sleep(rng.uniform(0.0, 0.02))
+        elif action == "worker_death":
+            await self.kill_worker(None, "idle")
         elif action == "drain":
             await self.drain()
         elif action in CHECKPOINTS:
@@ -917,10 +1118,11 @@ class Simulation:
         if self.gym.dead:
             await self.recover()
         t = self.trainer
-        for rollout in t.tasks:
+        for rollout in self.rollouts:
             if rollout not in t.started:
                 self.start(rollout)
         for _ in range(20):
+            self.release(everything=True)
             await self.settle_runs()
             if self.scenario.config.completion_receipts:
                 await self.collect()
@@ -928,7 +1130,7 @@ class Simulation:
             if not [r for r in t.running.values() if not r.done()]:
                 break
         await self.check()
-        missing = sorted(r for r in t.tasks if r not in t.results)
+        missing = sorted(r for r in self.rollouts if r not in t.results)
         if missing:
             self.violations.append(f"rollouts with no result at the end: {missing}")
         for rollout, outcome in sorted(t.results.items()):
