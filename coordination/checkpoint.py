@@ -71,6 +71,7 @@ async def prepare(driver: PhaseDriver, deadline_s: float | None = None) -> Prepa
         raise InvalidRequest("no participants are registered")
     start = time.monotonic()
     cid = new_id("ckpt")
+    driver.note_opened(cid)  # its place in the order `LATEST` keeps
     deadline_s = driver.timeouts.prepare_s if deadline_s is None else deadline_s
     deadline_ts = driver.clock.now() + deadline_s
     driver.freeze(driver.hosts)

@@ -351,6 +351,9 @@ class Coordinator:
     ) -> RestoreResult:
         """`latest`: `checkpoint_dir` is a root; restore the checkpoint
         `latest` picks there.  No episodes: every one the checkpoint lists."""
+        # An asynchronous checkpoint still publishing is `latest` once it has:
+        # `latest` is resolved after it, not before.
+        await self.core.pending.settle()
         where, episodes = await restore_target(checkpoint_dir, episode_ids, latest=latest)
         # A restore runs on a fresh fleet: re-resolve every name to its new actor.
         await self._ready(discover=True, refresh=True)

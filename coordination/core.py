@@ -80,8 +80,13 @@ class CoordinatorCore(PhaseDriver):
 
     # --- checkpoint ------------------------------------------------------------
     async def prepare(self, deadline_s: float | None = None) -> PrepareResult:
-        """Open a checkpoint: pause controllers, prepare group by group."""
+        """Open a checkpoint: pause controllers, prepare group by group.
+
+        An asynchronous checkpoint still publishing is waited for first, as
+        by `checkpoint`: a checkpoint opened after it never becomes `latest`
+        before it (the split commit's `LATEST` would be overwritten by it)."""
         async with self.lock:
+            await self.pending.settle()
             return await self._prepare(deadline_s)
 
     async def commit(
@@ -369,6 +374,9 @@ class CoordinatorCore(PhaseDriver):
         try:
             with tracing.span("ray_ckpt.restore"):
                 async with self.lock:
+                    # An asynchronous checkpoint still writing would be
+                    # committed by participants being restored.
+                    await self.pending.settle()
                     result = await restore(
                         self,
                         reader,

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
@@ -43,8 +44,13 @@ from coordination.timeline import COORDINATOR_ROW, TimelineRecorder
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
 from ray_ckpt.errors import CheckpointError
 from ray_ckpt.identity import EpisodeId
+from ray_ckpt.storage.pointer import split_location
 
 log = logging.getLogger(__name__)
+
+# Checkpoints whose opening order is remembered for the `LATEST` check: far
+# more than can be pending at once (`async_commit.KEPT`).
+ORDER_KEPT = 64
 
 
 class PhaseDriver:
@@ -67,6 +73,13 @@ class PhaseDriver:
         self.manifest_writer = manifest_writer
         # After the Gym manifest: the parent's LATEST (None: no pointer kept).
         self.latest_writer = latest_writer
+        # Each checkpoint's place in the order this driver opened them, and,
+        # per parent, the place of the one its `LATEST` names: a pointer is
+        # never moved to a checkpoint opened before the one it names.
+        self._opened = 0
+        self._order: OrderedDict[str, int] = OrderedDict()
+        self._latest_at: dict[str, int] = {}
+        self._latest_lock = asyncio.Lock()
         # Member key -> (kind, instance) its last committed manifest named:
         # the folders the next checkpoint creates before it pauses anyone.
         self.layout: dict[str, tuple[str, str]] = {}
@@ -256,10 +269,42 @@ class PhaseDriver:
             if isinstance(kind, str) and isinstance(instance, str):
                 self.layout[key] = (kind, instance)
 
+    def note_opened(self, checkpoint_id: str) -> None:
+        """`checkpoint_id` opens now: after every checkpoint opened before it."""
+        self._opened += 1
+        self._order[checkpoint_id] = self._opened
+        while len(self._order) > ORDER_KEPT:
+            self._order.popitem(last=False)
+
     async def _write_latest(self, checkpoint_dir: str, checkpoint_id: str) -> None:
-        """The LATEST pointer of a checkpoint whose Gym manifest is written."""
-        if self.latest_writer is not None:
-            await asyncio.to_thread(self.latest_writer, checkpoint_dir, checkpoint_id)
+        """The LATEST pointer of a checkpoint whose Gym manifest is written.
+
+        Skipped when the pointer names a checkpoint opened after this one (an
+        asynchronous checkpoint publishing after a later one did): `LATEST`
+        never goes back in time.  One write at a time, so two publishes
+        cannot land out of the order they were checked in.  Never raises: the
+        checkpoint is complete with its Gym manifest, the pointer is a hint."""
+        if self.latest_writer is None:
+            return
+        parent = _parent_of(checkpoint_dir)
+        async with self._latest_lock:
+            place = self._order.get(checkpoint_id)
+            named = self._latest_at.get(parent)
+            if named is not None and (place is None or place < named):
+                log.warning(
+                    "checkpoint %s is complete; LATEST of %s not moved back to it: "
+                    "it names a later checkpoint",
+                    checkpoint_dir,
+                    parent,
+                )
+                return
+            try:
+                await asyncio.to_thread(self.latest_writer, checkpoint_dir, checkpoint_id)
+            except Exception:
+                log.exception("checkpoint %s is complete; LATEST not updated", checkpoint_dir)
+                return
+            if place is not None:
+                self._latest_at[parent] = place
 
     # --- resume / abort --------------------------------------------------------
     async def _resume(self, deadline_s: float | None = None) -> ResumeResult:
@@ -380,3 +425,12 @@ class PhaseDriver:
         for host in list(self.hosts.values()):
             with contextlib.suppress(Exception):
                 await host.aclose()
+
+
+def _parent_of(checkpoint_dir: str) -> str:
+    """Where `checkpoint_dir`'s `LATEST` lives (itself if it has no parent:
+    its writer then fails, logged)."""
+    try:
+        return split_location(checkpoint_dir)[0]
+    except CheckpointError:
+        return checkpoint_dir
