@@ -14,9 +14,11 @@ in order, status and recover.  The phases themselves are `PhaseDriver`'s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from coordination.async_commit import PendingWrites, confirm_durable
@@ -43,7 +45,11 @@ from coordination.results import (
     ResumeResult,
     RetireResult,
 )
-from coordination.roots import precreate_participant_dirs, write_latest_quietly
+from coordination.roots import (
+    precreate_participant_dirs,
+    ready_for_checkpoint,
+    write_latest_quietly,
+)
 from coordination.status import participant_rows
 from ray_ckpt import tracing
 from ray_ckpt.errors import CheckpointError, DeadlineExceeded, InvalidPhase, InvalidRequest
@@ -52,6 +58,8 @@ from ray_ckpt.identity import EpisodeId
 log = logging.getLogger(__name__)
 
 # The episodes a checkpoint without a scope continues (the assembler's in flight).
+# Directories remembered as possibly still written into by a failed checkpoint.
+KEPT_LATE = 64
 ScopeSource = Callable[[], Awaitable[Sequence[EpisodeId]]]
 
 
@@ -66,6 +74,8 @@ class CoordinatorCore(PhaseDriver):
     ) -> None:
         # After the Gym manifest, the parent's LATEST names the checkpoint.
         kwargs.setdefault("latest_writer", write_latest_quietly)
+        # Before the pause: no checkpoint over a complete one, no aborted leftovers.
+        kwargs.setdefault("directory_guard", ready_for_checkpoint)
         super().__init__(**kwargs)
         self.manifest_reader = manifest_reader
         # Only when a restore asks for it (`allow_without_gym_manifest`).
@@ -77,6 +87,12 @@ class CoordinatorCore(PhaseDriver):
         self.baseline = GymBaseline()
         # Asynchronous checkpoints resumed and not yet published.
         self.pending = PendingWrites()
+        # Directories a checkpoint failed in after its commit was sent: a
+        # participant may still write there (a captured write the abort's
+        # resume released, a write whose reply was lost), until its next
+        # prepare, which waits for that write.  A retry there clears them
+        # again after its prepare (`_clear_late_writes`).
+        self._late_writes: OrderedDict[str, None] = OrderedDict()
 
     # --- checkpoint ------------------------------------------------------------
     async def prepare(self, deadline_s: float | None = None) -> PrepareResult:
@@ -106,11 +122,48 @@ class CoordinatorCore(PhaseDriver):
         not with `stop` (that frees the exported episodes' resources first).
         `scope_source`: asked for the scope when none is given."""
         async with self.lock:
+            await self.pending.settle()  # none may still write into `checkpoint_dir`
+            entry = self.open
+            if entry is not None and entry.op == "checkpoint" and entry.phase == "prepared":
+                # Refused (the checkpoint stays prepared: commit elsewhere or
+                # resume) before any participant writes into a complete one.
+                await self._guard_directory(checkpoint_dir)
             if scope is None and scope_source is not None and self.open is not None:
                 scope = await self._asked_scope(self.open.checkpoint_id, scope_source)
-            return await self._commit(
-                checkpoint_dir, scope, stop=stop, strict=strict, deadline_s=deadline_s
-            )
+            with self._writing_into(checkpoint_dir):
+                return await self._commit(
+                    checkpoint_dir, scope, stop=stop, strict=strict, deadline_s=deadline_s
+                )
+
+    async def _guard_directory(self, checkpoint_dir: str) -> None:
+        if self.directory_guard is not None:
+            await asyncio.to_thread(self.directory_guard, checkpoint_dir)
+
+    @contextlib.contextmanager
+    def _writing_into(self, checkpoint_dir: str) -> Iterator[None]:
+        """Around a commit: remember `checkpoint_dir` if it fails (participants
+        may write there after), forget it once a commit there succeeded."""
+        try:
+            yield
+        except BaseException:
+            self._late_writes_in(checkpoint_dir)
+            raise
+        self._late_writes.pop(checkpoint_dir, None)
+
+    def _late_writes_in(self, checkpoint_dir: str) -> None:
+        self._late_writes[checkpoint_dir] = None
+        self._late_writes.move_to_end(checkpoint_dir)
+        while len(self._late_writes) > KEPT_LATE:
+            self._late_writes.popitem(last=False)
+
+    async def _clear_late_writes(self, cid: str, checkpoint_dir: str) -> None:
+        """After the prepare of a retry into a directory a failed checkpoint
+        wrote into: every participant's earlier write has ended (its prepare
+        waited for it), so what landed since the check before the prepare is
+        cleared too.  Aborts the open checkpoint if that fails."""
+        if checkpoint_dir in self._late_writes:
+            async with self._aborting(cid):
+                await self._guard_directory(checkpoint_dir)
 
     def _fit(self, asked: float | None, default: float, publish_by: float) -> float:
         """A phase deadline cut to what is left before `publish_by`."""
@@ -223,6 +276,9 @@ class CoordinatorCore(PhaseDriver):
             # would wait for its writes anyway).
             await self.pending.settle()
             self.baseline.check(self.hosts, trigger)  # before anyone is paused
+            if self.open is None:  # else the prepare refuses, touching nothing
+                # After the settle: no asynchronous checkpoint writes there any more.
+                await self._guard_directory(checkpoint_dir)
             known = [self.layout[k] for k in sorted(self.hosts) if k in self.layout]
             # The folders are made while the prepare runs (see
             # `precreate_participant_dirs`): the commit, not the prepare,
@@ -242,18 +298,22 @@ class CoordinatorCore(PhaseDriver):
             finally:
                 if folders is not None:
                     await folders  # never raises: a failure is logged
+            await self._clear_late_writes(prepared.checkpoint_id, checkpoint_dir)
             if scope is None and scope_source is not None:
                 scope = await self._asked_scope(prepared.checkpoint_id, scope_source)
-            committed = await self._commit(
-                checkpoint_dir,
-                scope,
-                stop=stop,
-                strict=strict,
-                deadline_s=commit_s,
-                publish_by=publish_by,
-                durability=durability,
-                defer_latest=resume,
-            )
+            with self._writing_into(checkpoint_dir):
+                committed = await self._commit(
+                    checkpoint_dir,
+                    scope,
+                    stop=stop,
+                    strict=strict,
+                    deadline_s=commit_s,
+                    publish_by=publish_by,
+                    durability=durability,
+                    defer_latest=resume,
+                )
+            if committed.pending:
+                self._late_writes_in(checkpoint_dir)  # until it is published
             members = self._hosts(self._members())  # before the resume unfreezes them
             self.baseline.record(self.frozen)
             if not resume:
@@ -317,10 +377,12 @@ class CoordinatorCore(PhaseDriver):
             try:
                 done = await confirm_durable(self, cid, checkpoint_dir, members, body, deadline_s)
             except Exception as exc:
+                self._late_writes_in(checkpoint_dir)  # a write may still be running there
                 self.metrics.failed("commit", exc)
                 self.timeline.finish(cid, outcome="failed")
                 log.warning("asynchronous checkpoint %s not published: %s", cid, exc)
                 raise
+            self._late_writes.pop(checkpoint_dir, None)
             self.metrics.durable_done(done, trigger)
             log.info(
                 "durable %s: %d participants, %d bytes, %.3fs after the resume",

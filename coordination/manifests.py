@@ -12,6 +12,8 @@ from typing import Any
 
 ManifestWriter = Callable[[str, str, list[dict[str, Any]]], Any]
 LatestWriter = Callable[[str, str], None]
+# checkpoint dir → None once a new checkpoint may commit there (raises if not)
+DirectoryGuard = Callable[[str], None]
 # checkpoint dir → (source checkpoint ID, {(kind, instance)} listed in its Gym manifest)
 ManifestReader = Callable[[str], tuple[str | None, set[tuple[str, str]]]]
 

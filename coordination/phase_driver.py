@@ -34,7 +34,12 @@ from coordination.calls import reply_timeout
 from coordination.fanout import Outcome, failure, fan_out
 from coordination.hosts import Host, PauseTarget
 from coordination.journal import Journal, JournalEntry, JournalStore, encode
-from coordination.manifests import LatestWriter, ManifestWriter, write_gym_manifest_from_replies
+from coordination.manifests import (
+    DirectoryGuard,
+    LatestWriter,
+    ManifestWriter,
+    write_gym_manifest_from_replies,
+)
 from coordination.order import Member, resume_groups
 from coordination.pause import ControllerPauses
 from coordination.renewer import LeaseRenewer
@@ -62,6 +67,7 @@ class PhaseDriver:
         timeouts: Timeouts | None = None,
         manifest_writer: ManifestWriter = write_gym_manifest_from_replies,
         latest_writer: LatestWriter | None = None,
+        directory_guard: DirectoryGuard | None = None,
         pause_mode: str = "full",
     ) -> None:
         self.clock = clock
@@ -73,6 +79,9 @@ class PhaseDriver:
         self.manifest_writer = manifest_writer
         # After the Gym manifest: the parent's LATEST (None: no pointer kept).
         self.latest_writer = latest_writer
+        # Before a checkpoint commits into a directory: refuse one holding a
+        # complete checkpoint, clear an aborted one's leftovers (None: no check).
+        self.directory_guard = directory_guard
         # Each checkpoint's place in the order this driver opened them, and,
         # per parent, the place of the one its `LATEST` names: a pointer is
         # never moved to a checkpoint opened before the one it names.

@@ -12,6 +12,9 @@
   `write_gym_manifest_and_latest` does both in one call (tools, tests).
 - Before the pause, the participants' folders are created on a local root
   (`precreate_participant_dirs`), so no commit creates them inside it.
+- Before anyone is paused, the checkpoint's directory is made ready for it
+  (`ready_for_checkpoint`): one holding a complete checkpoint is refused,
+  an aborted checkpoint's leftovers are cleared.
 - `restore(root, latest=True)` resolves to the checkpoint `latest` picks, and
   a restore without episodes takes every episode the checkpoint lists.
 
@@ -27,13 +30,19 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from coordination.manifests import write_gym_manifest_from_replies
-from ray_ckpt.errors import CheckpointError, InvalidCheckpointState, InvalidRequest
+from ray_ckpt.errors import (
+    CheckpointConflict,
+    CheckpointError,
+    InvalidCheckpointState,
+    InvalidRequest,
+)
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage import durable
 from ray_ckpt.storage.catalog import CheckpointEntry, latest_location, scan, scan_one
+from ray_ckpt.storage.gym_manifest import has_gym_manifest, read_gym_manifest
 from ray_ckpt.storage.local_blobs import LocalBlobs
 from ray_ckpt.storage.locations import check_location, open_location
-from ray_ckpt.storage.participant_manifest import participant_dir
+from ray_ckpt.storage.participant_manifest import GYM, participant_dir
 from ray_ckpt.storage.pointer import split_location, write_latest_for
 from ray_ckpt.storage.retention import DEFAULT_GRACE_S, GcPlan, collect
 
@@ -69,6 +78,42 @@ def precreate_participant_dirs(
         durable.ensure_dirs(participant_dir(blobs.root, k, i) for k, i in participants)
     except (CheckpointError, OSError) as exc:
         log.warning("could not create the participant folders of %s: %s", checkpoint_dir, exc)
+
+
+def ready_for_checkpoint(checkpoint_dir: str) -> None:
+    """Make `checkpoint_dir` ready for a new checkpoint, before anyone is paused.
+
+    A directory holding a complete checkpoint (its Gym manifest) is refused
+    (`CheckpointConflict` naming it and the remedy): a checkpoint is never
+    overwritten, and every participant's commit there would fail, after the
+    whole Gym was paused for nothing.  What an aborted checkpoint left there
+    (records and participant manifests under ``gym/``, no Gym manifest) is
+    deleted: nothing was published, and nothing references it (an
+    incremental base is always a complete checkpoint), while each manifest
+    left would fail that participant's commit of a retry ("already holds a
+    different commit") every time.  Only keys under ``gym/`` are touched:
+    anything else in the directory is not a checkpoint's.
+
+    The caller settles any asynchronous checkpoint first, so none is still
+    writing into the directory."""
+    blobs = open_location(checkpoint_dir)
+    if has_gym_manifest(blobs):
+        try:
+            which = f"complete checkpoint {read_gym_manifest(blobs).checkpoint_id}"
+        except CheckpointError:
+            which = "a Gym manifest"
+        raise CheckpointConflict(
+            f"{checkpoint_dir} already holds {which}; a checkpoint is never overwritten: "
+            "checkpoint into a new directory (or delete this one first)"
+        )
+    leftovers = [info.key for info in blobs.list(GYM)]
+    if leftovers:
+        log.warning(
+            "%s holds %d objects of a checkpoint that never completed; deleting them",
+            checkpoint_dir,
+            len(leftovers),
+        )
+        blobs.delete(leftovers)
 
 
 def write_latest_quietly(checkpoint_dir: str, checkpoint_id: str) -> None:

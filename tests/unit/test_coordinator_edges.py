@@ -3,7 +3,10 @@
 
 - every entry point that opens a checkpoint or a restore first waits for the
   asynchronous checkpoint still publishing, and `LATEST` never moves back to
-  a checkpoint opened before the one it names.
+  a checkpoint opened before the one it names;
+- a retry into the directory of a failed checkpoint commits there (the
+  leftovers are cleared, on disk and on S3), while a directory holding a
+  complete checkpoint is refused before anyone is paused.
 """
 
 from __future__ import annotations
@@ -12,10 +15,26 @@ import pathlib
 import threading
 from typing import Any
 
-from coordination.roots import write_latest_quietly
+import pytest
+
+from coordination.hosts import FakePauseTarget
+from coordination.manifests import write_gym_manifest_from_replies
+from coordination.roots import ready_for_checkpoint, write_latest_quietly
+from ray_ckpt.errors import (
+    CheckpointConflict,
+    CoordinationFailed,
+    InvalidCheckpointState,
+    ParticipantUnavailable,
+)
+from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage import open_location
+from ray_ckpt.storage.gym_manifest import read_gym_manifest, verify_checkpoint
 from ray_ckpt.storage.pointer import join_location, read_latest
+from ray_ckpt.storage.seam import FileRecordStore
+from tests.s3_server import S3Endpoint, s3_endpoint
 from tests.unit.coord_fleet import Fleet, make_fleet
+
+__all__ = ["s3_endpoint"]  # the fixture, imported for pytest
 
 # How long a held-back publish waits for the event that would release it
 # (only ever reached when the code under test is right and nothing sets it).
@@ -134,3 +153,174 @@ async def test_a_restore_waits_for_the_pending_publish() -> None:
     finally:
         gate.set()
         await fleet.aclose()
+
+
+# --- 2. a retry into the same directory ---------------------------------------------
+
+
+@pytest.fixture(params=["local", "s3"])
+def root(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> str:
+    if request.param == "local":
+        return str(tmp_path / "root")
+    endpoint: S3Endpoint = request.getfixturevalue("s3_endpoint")
+    return endpoint.location()
+
+
+def _file_fleet() -> Fleet:
+    """Participants writing real records and manifests; the real Gym manifest."""
+    fleet = make_fleet(store=FileRecordStore())  # type: ignore[arg-type]
+    fleet.core.manifest_writer = write_gym_manifest_from_replies
+    fleet.core.latest_writer = write_latest_quietly
+    return fleet
+
+
+async def test_a_retry_into_the_directory_of_a_failed_checkpoint_commits(root: str) -> None:
+    fleet = _file_fleet()
+    where = join_location(root, "step-3")
+    blobs = open_location(where)
+    blobs.replace("notes.txt", b"not a checkpoint's\n")  # not ours: kept
+    for key in fleet.parts:
+        fleet.parts[key].start("r1", at_boundary=True, state={"at": key})
+    fleet.hosts["model/policy"].fail["commit"] = InvalidCheckpointState("ENOSPC (test)")
+    try:
+        with pytest.raises(CoordinationFailed):
+            await fleet.core.checkpoint(where, [EpisodeId("r1")])
+        # Every other participant committed there; nothing was published.
+        assert any(i.key.endswith("manifest.json") for i in blobs.list("gym"))
+        del fleet.hosts["model/policy"].fail["commit"]
+        again = await fleet.core.checkpoint(where, [EpisodeId("r1")])
+        assert again.continued == ["r1"]
+        assert read_gym_manifest(blobs).checkpoint_id == again.checkpoint_id
+        assert verify_checkpoint(blobs).ok
+        assert blobs.read("notes.txt") == b"not a checkpoint's\n"
+    finally:
+        await fleet.aclose()
+
+
+async def test_a_directory_holding_a_complete_checkpoint_is_refused_before_any_pause(
+    root: str,
+) -> None:
+    fleet = _file_fleet()
+    trainer = FakePauseTarget("trainer")
+    fleet.core.register_pause(trainer)
+    where = join_location(root, "step-4")
+    try:
+        first = await fleet.core.checkpoint(where, None)
+        calls = len(fleet.log)
+        with pytest.raises(CheckpointConflict, match=r"step-4.*never overwritten"):
+            await fleet.core.checkpoint(where, None)
+        assert len(fleet.log) == calls  # no participant was called
+        assert trainer.paused is None
+        assert fleet.core.open is None
+        assert read_gym_manifest(open_location(where)).checkpoint_id == first.checkpoint_id
+        # The split API: the commit is refused before anyone writes, and the
+        # checkpoint stays prepared for a commit elsewhere.
+        await fleet.core.prepare()
+        commits = len(fleet.events("commit"))
+        with pytest.raises(CheckpointConflict):
+            await fleet.core.commit(where)
+        assert len(fleet.events("commit")) == commits
+        assert fleet.core.open is not None
+        assert fleet.core.open.phase == "prepared"
+        done = await fleet.core.commit(join_location(root, "step-5"))
+        await fleet.core.resume()
+        assert read_gym_manifest(open_location(join_location(root, "step-5"))).checkpoint_id == (
+            done.checkpoint_id
+        )
+    finally:
+        await fleet.aclose()
+
+
+async def test_a_retry_waits_for_the_pending_checkpoint_writing_into_that_directory(
+    tmp_path: pathlib.Path,
+) -> None:
+    fleet = _file_fleet()
+    gate = threading.Event()
+    where = str(tmp_path / "step-6")
+    _slow_publish(fleet, where, gate)
+    try:
+        a = await fleet.core.checkpoint(where, None, durability="async")
+        # Its records are there, its Gym manifest not yet: clearing them now
+        # would publish a broken checkpoint.  The retry waits, then finds it complete.
+        with pytest.raises(CheckpointConflict):
+            await fleet.core.checkpoint(where, None)
+        done = await fleet.core.durable(a.checkpoint_id)
+        assert done.checkpoint_id == read_gym_manifest(open_location(where)).checkpoint_id
+        assert verify_checkpoint(open_location(where)).ok
+    finally:
+        gate.set()
+        await fleet.aclose()
+
+
+class GatedStore:
+    """The real store, whose writes wait for `gate` (a slow disk)."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        self.inner = FileRecordStore()
+        self.gate = gate
+
+    def write(self, checkpoint_dir: str, **kw: Any) -> Any:
+        self.gate.wait(10)
+        return self.inner.write(checkpoint_dir, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def test_a_retry_clears_what_the_aborted_checkpoints_late_writes_left(
+    tmp_path: pathlib.Path,
+) -> None:
+    """An asynchronous commit aborted (one reply lost): the resume lets the
+    captured writes go, and they land after the retry's first look at the
+    directory; its prepare waits for them, and they are cleared before its commit."""
+    gate = threading.Event()
+    fleet = make_fleet(store=GatedStore(gate))  # type: ignore[arg-type]
+    fleet.core.manifest_writer = write_gym_manifest_from_replies
+    where = str(tmp_path / "step-7")
+    host = fleet.hosts["model/policy"]
+    real_call = host.call
+    lost: list[str] = []
+
+    async def lose_the_commit_reply(op: str, body: Any) -> dict[str, Any]:
+        reply = await real_call(op, body)
+        if op == "commit" and not lost:
+            lost.append(op)
+            raise ParticipantUnavailable("the reply to commit was lost (test)")
+        return reply
+
+    host.call = lose_the_commit_reply  # type: ignore[method-assign]
+    guard = fleet.core.directory_guard
+    assert guard is not None
+
+    looks: list[str] = []
+
+    def guard_then_let_writes_land(d: str) -> None:
+        guard(d)
+        looks.append(d)
+        if len(looks) == 2:  # the retry's look before its prepare
+            gate.set()
+
+    fleet.core.directory_guard = guard_then_let_writes_land
+    for key in fleet.parts:
+        fleet.parts[key].start("r1", at_boundary=True, state={"at": key})
+    try:
+        with pytest.raises(CoordinationFailed):
+            await fleet.core.checkpoint(where, [EpisodeId("r1")], durability="async")
+        assert not gate.is_set()  # the released writes wait: nothing there yet
+        again = await fleet.core.checkpoint(where, [EpisodeId("r1")])
+        assert read_gym_manifest(where).checkpoint_id == again.checkpoint_id
+        assert verify_checkpoint(where).ok
+    finally:
+        gate.set()
+        await fleet.aclose()
+
+
+def test_ready_for_checkpoint_clears_only_what_a_checkpoint_wrote(root: str) -> None:
+    where = join_location(root, "x")
+    blobs = open_location(where)
+    blobs.replace("gym/agent/a0/manifest.json", b"{}")
+    blobs.replace("gym/agent/a0/records-1.msgpack", b"x")
+    blobs.replace("gymnasium.txt", b"kept")
+    ready_for_checkpoint(where)
+    assert [i.key for i in blobs.list()] == ["gymnasium.txt"]
+    ready_for_checkpoint(join_location(root, "absent"))  # nothing there: nothing to do
