@@ -22,11 +22,12 @@ from typing import Any
 
 from coordination.calls import coordination_failed, episode_body, new_id
 from coordination.fanout import failure
+from coordination.hosts import Host
 from coordination.journal import JournalEntry
 from coordination.manifests import ManifestReader
 from coordination.order import restore_groups, retire_groups
 from coordination.phase_driver import PhaseDriver
-from coordination.replies import string_list
+from coordination.replies import int_or_none, string_list
 from coordination.results import RestoreResult
 from ray_ckpt.errors import (
     CheckpointConflict,
@@ -34,6 +35,7 @@ from ray_ckpt.errors import (
     CoordinationFailed,
     InvalidCheckpointState,
     InvalidRequest,
+    ParticipantNotFresh,
 )
 from ray_ckpt.identity import EpisodeId
 
@@ -72,6 +74,18 @@ async def restore(
     failures = membership_failures(checkpoint_dir, roster, listed)
     if failures:
         raise coordination_failed("restore", source_id or "?", failures)
+    # Before anyone changes anything: a participant that already served
+    # refuses the restore, and the undo of a refused restore retires the next
+    # attempts of the episodes named, which on a running Gym are its own
+    # rollouts in flight.  So a live fleet is refused here, as it was.
+    stale = await not_fresh(roster, driver.timeouts.status_s)
+    if stale:
+        raise ParticipantNotFresh(
+            f"restore from {checkpoint_dir} refused, nothing changed: "
+            + "; ".join(f"{k} {why}" for k, why in sorted(stale.items()))
+            + ". A restore installs into fresh processes only: restore into a newly "
+            "started Gym"
+        )
     driver.freeze(roster)
     members = [h.member for h in roster.values()]
     cid = new_id("restore")
@@ -134,6 +148,28 @@ async def restore(
         restart=[e.capture_key for e in episodes if e.next().capture_key not in installed],
         resume_failures=resume_failures,
     )
+
+
+async def not_fresh(roster: Mapping[str, Host], timeout_s: float) -> dict[str, str]:
+    """Member key -> why it is not fresh, as its status says (`fresh`, live
+    executions).  A member whose status does not say (NeMo Gym's), or does
+    not answer in time, is left to the restore itself: it checks again."""
+
+    async def one(host: Host) -> str | None:
+        try:
+            status = await asyncio.wait_for(host.status(), timeout_s)
+        except Exception:
+            return None
+        live = int_or_none(status.get("live_executions")) or 0
+        if live > 0:
+            return f"has {live} executions live"
+        if status.get("fresh") is False:
+            return "has served or restored since it started"
+        return None
+
+    keys = sorted(roster)
+    whys = await asyncio.gather(*(one(roster[k]) for k in keys))
+    return {k: why for k, why in zip(keys, whys, strict=True) if why is not None}
 
 
 def membership_failures(

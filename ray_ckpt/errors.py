@@ -38,6 +38,8 @@ class Reason(StrEnum):
     RECEIPTS_OFF = "receipts_off"
     RESULT_HELD = "result_held"
     MEMBERSHIP_CHANGED = "membership_changed"
+    # A restore aimed at participants that already served (a live fleet).
+    NOT_FRESH = "not_fresh"
     # A multi-worker participant lost a worker holding restored state
     # between the restore's install and its resume (`ray_ckpt.workers`).
     RESTORED_STATE_LOST = "restored_state_lost"
@@ -73,6 +75,7 @@ _HTTP_STATUS: dict[Reason, int] = {
     Reason.RECEIPTS_OFF: 409,
     Reason.RESULT_HELD: 409,
     Reason.MEMBERSHIP_CHANGED: 409,
+    Reason.NOT_FRESH: 409,
     Reason.RESTORED_STATE_LOST: 409,
 }
 
@@ -218,6 +221,14 @@ class RestoredStateLost(CheckpointError):
     reason = Reason.RESTORED_STATE_LOST
 
 
+class ParticipantNotFresh(CheckpointError):
+    """A restore refused before any participant changed anything: the named
+    members have served (or restored) since they started, and a restore
+    installs only into fresh processes; the fleet runs on as it was."""
+
+    reason = Reason.NOT_FRESH
+
+
 class ReceiptsOff(CheckpointError):
     """An acknowledgement reached a participant that holds no results
     (completion receipts off, or a kind that finishes no episodes)."""
@@ -273,6 +284,7 @@ _BY_REASON: dict[Reason, type[CheckpointError]] = {
         ReceiptsOff,
         ResultHeld,
         MembershipChanged,
+        ParticipantNotFresh,
         RestoredStateLost,
     )
 }

@@ -158,6 +158,9 @@ class ParticipantController:
             "retired_rollouts": self.retired.retired_rollouts(),
             "retiring": self._retiring_now(),
             "live_executions": self.participant.live_executions(),
+            # What a restore needs (`control.restore`): the coordinator checks
+            # it before changing anything anywhere.
+            "fresh": self.participant.fresh() and not self._restores.restored_once,
             "writes_in_flight": self.writes_in_flight,
             "background_write": self._background.status(),
             **receipt_ops.status_fields(self),

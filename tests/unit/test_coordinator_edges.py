@@ -6,12 +6,15 @@
   a checkpoint opened before the one it names;
 - a retry into the directory of a failed checkpoint commits there (the
   leftovers are cleared, on disk and on S3), while a directory holding a
-  complete checkpoint is refused before anyone is paused.
+  complete checkpoint is refused before anyone is paused;
+- a restore aimed at a running fleet is refused before any participant
+  changes anything.
 """
 
 from __future__ import annotations
 
 import pathlib
+import pickle
 import threading
 from typing import Any
 
@@ -24,6 +27,7 @@ from ray_ckpt.errors import (
     CheckpointConflict,
     CoordinationFailed,
     InvalidCheckpointState,
+    ParticipantNotFresh,
     ParticipantUnavailable,
 )
 from ray_ckpt.identity import EpisodeId
@@ -324,3 +328,86 @@ def test_ready_for_checkpoint_clears_only_what_a_checkpoint_wrote(root: str) -> 
     ready_for_checkpoint(where)
     assert [i.key for i in blobs.list()] == ["gymnasium.txt"]
     ready_for_checkpoint(join_location(root, "absent"))  # nothing there: nothing to do
+
+
+# --- 3. a restore aimed at a running fleet ------------------------------------------
+
+
+async def _checkpointed_store() -> Any:
+    f = make_fleet()
+    for key in f.parts:
+        f.parts[key].start("r1", at_boundary=True, state={"at": key})
+    await f.core.checkpoint("/ck", [EpisodeId("r1")])
+    await f.aclose()
+    return f.store
+
+
+async def test_a_restore_aimed_at_a_live_fleet_is_refused_and_changes_nothing() -> None:
+    store = await _checkpointed_store()
+    fleet = make_fleet(store=store)
+    # The running fleet: r1 (the checkpoint's own rollout) is in flight at
+    # two members, the others have served and finished theirs.
+    fleet.parts["environment/env"].start("r1", state={"step": 4})
+    fleet.parts["agent/agent"].start("r1", state={"step": 4})
+    fleet.parts["model/policy"].served = True
+    try:
+        with pytest.raises(ParticipantNotFresh) as info:
+            await fleet.core.restore("/ck", [EpisodeId("r1")])
+        assert info.value.code == "not_fresh"
+        for key in ("environment/env", "agent/agent", "model/policy"):
+            assert key in info.value.detail
+        assert "resources/res" not in info.value.detail
+        # Nobody was called: nothing retired, nothing paused, nothing open.
+        assert [c for h in fleet.hosts.values() for c in h.calls] == []
+        assert fleet.core.open is None
+        assert fleet.core.journal.load() is None
+        assert all(p.admission_open for p in fleet.parts.values())
+        assert all(p.retired_keys == [] for p in fleet.parts.values())
+        assert set(fleet.phases().values()) == {"idle"}
+        # The rollout in flight goes on and is checkpointed as before.
+        fleet.parts["environment/env"].reach_boundary("r1", {"step": 5})
+        fleet.parts["agent/agent"].reach_boundary("r1", {"step": 5})
+        done = await fleet.core.checkpoint("/ck2", [EpisodeId("r1")])
+        assert done.continued == ["r1"]
+    finally:
+        await fleet.aclose()
+
+
+async def test_a_member_that_restored_once_is_not_fresh_for_another_restore() -> None:
+    store = await _checkpointed_store()
+    fleet = make_fleet(store=store)
+    try:
+        await fleet.core.restore("/ck", [EpisodeId("r1")])
+        with pytest.raises(ParticipantNotFresh):
+            await fleet.core.restore("/ck", [EpisodeId("r1")])
+        assert sorted(fleet.events("restore")) == sorted(fleet.parts)  # the first one's only
+        assert fleet.core.open is None
+    finally:
+        await fleet.aclose()
+
+
+async def test_a_status_without_freshness_leaves_the_check_to_the_participant() -> None:
+    """NeMo Gym's participants say nothing of it: their own refusal stands."""
+    store = await _checkpointed_store()
+    fleet = make_fleet(store=store)
+    real = fleet.ctrls["model/policy"].status
+
+    def status() -> dict[str, Any]:
+        out = real()
+        del out["fresh"], out["live_executions"]
+        return out
+
+    fleet.ctrls["model/policy"].status = status  # type: ignore[method-assign]
+    try:
+        res = await fleet.core.restore("/ck", [EpisodeId("r1")])
+        assert res.continued == ["r1"]
+    finally:
+        await fleet.aclose()
+
+
+def test_the_refusal_crosses_ray_typed() -> None:
+    err = ParticipantNotFresh("agent/agent has 1 executions live")
+    rebuilt = pickle.loads(pickle.dumps(err))  # as Ray carries an actor's error
+    assert isinstance(rebuilt, ParticipantNotFresh)
+    assert rebuilt.code == "not_fresh"
+    assert rebuilt.http_status == 409
