@@ -59,20 +59,31 @@ def identity(host: Any) -> str | None:
 class GymBaseline:
     def __init__(self) -> None:
         self.members: dict[str, str | None] | None = None  # None: nothing complete yet
+        # Members dropped since the last complete checkpoint or restore (their
+        # process was found gone, or they were unregistered).  Refused even
+        # before anything completed: the first unattended checkpoint after a
+        # death would otherwise publish the survivors as `latest`, and a
+        # relaunch under the same name holds nothing of what was lost.
+        self.lost: set[str] = set()
 
     def record(self, hosts: Mapping[str, Any]) -> None:
         """The members of a checkpoint or restore that just completed."""
         self.members = {key: identity(host) for key, host in hosts.items()}
+        self.lost = set()
+
+    def member_lost(self, key: str) -> None:
+        self.lost.add(key)
 
     def check(self, hosts: Mapping[str, Any], trigger: str) -> None:
         """Refuse an unattended checkpoint of a Gym that lost or replaced a member."""
-        if attended(trigger) or self.members is None:
+        if attended(trigger):
             return
-        gone = sorted(k for k in self.members if k not in hosts)
+        members = self.members or {}
+        gone = sorted(self.lost | {k for k in members if k not in hosts})
         replaced = sorted(
             k
-            for k, was in self.members.items()
-            if k in hosts and was is not None and identity(hosts[k]) != was
+            for k, was in members.items()
+            if k in hosts and k not in self.lost and was is not None and identity(hosts[k]) != was
         )
         if gone or replaced:
             what = "; ".join(

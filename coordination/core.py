@@ -22,7 +22,6 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from coordination.async_commit import PendingWrites, confirm_durable
-from coordination.baseline import GymBaseline
 from coordination.calls import coordination_failed, episode_body, new_id
 from coordination.fanout import failure
 from coordination.hosts import Host
@@ -83,8 +82,6 @@ class CoordinatorCore(PhaseDriver):
         # Off Ray a null sink; the actor passes Ray's (`coordination.metrics`).
         self.metrics = metrics or CoordinatorMetrics()
         self.last_checkpoint: LastCheckpoint | None = None
-        # The Gym of the last complete checkpoint or restore (`coordination.baseline`).
-        self.baseline = GymBaseline()
         # Asynchronous checkpoints resumed and not yet published.
         self.pending = PendingWrites()
         # Directories a checkpoint failed in after its commit was sent: a

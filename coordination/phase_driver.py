@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from coordination import checkpoint
+from coordination.baseline import GymBaseline
 from coordination.calls import reply_timeout
 from coordination.fanout import Outcome, failure, fan_out
 from coordination.hosts import Host, PauseTarget
@@ -107,6 +108,9 @@ class PhaseDriver:
         self.pauses = ControllerPauses(self.timeouts, pause_mode)
         # Each recent checkpoint's and restore's spans (`ray-ckpt timeline`).
         self.timeline = TimelineRecorder()
+        # The Gym of the last complete checkpoint or restore, and who was lost
+        # since: what every unattended trigger is checked against.
+        self.baseline = GymBaseline()
         self.renewer = LeaseRenewer(
             self.clock,
             self.timeouts,
@@ -130,8 +134,13 @@ class PhaseDriver:
         self.hosts[host.member.key] = host
         return old if old is not host else None
 
-    def unregister(self, key: str) -> Host | None:
-        return self.hosts.pop(key, None)
+    def unregister(self, key: str, *, lost: bool = False) -> Host | None:
+        """Drop `key`; `lost`: its process was found gone (not a person's
+        choice), which unattended checkpoints refuse until a restore."""
+        host = self.hosts.pop(key, None)
+        if host is not None and lost:
+            self.baseline.member_lost(key)
+        return host
 
     async def drop_host(self, host: Host | None) -> None:
         """Close a replaced or unregistered host, unless the open checkpoint
@@ -213,6 +222,7 @@ class PhaseDriver:
             if host is not None and host.gone and self.hosts.get(key) is host:
                 log.warning("%s no longer exists; dropped from the members", key)
                 del self.hosts[key]
+                self.baseline.member_lost(key)
 
     async def _group(
         self, group: Sequence[Member], op: str, body: Mapping[str, Any], deadline_ts: float

@@ -67,7 +67,7 @@ async def discover_named(core: CoordinatorCore, namespace: str, *, refresh: bool
     for key, host in list(core.hosts.items()):
         if isinstance(host, RayHost) and host.named and host.actor_name not in live:
             log.warning("%s: no live actor named %s; dropped", key, host.actor_name)
-            await core.drop_host(core.unregister(key))
+            await core.drop_host(core.unregister(key, lost=True))
     if mismatched:
         raise KindMismatch("; ".join(mismatched))
     return sorted(core.hosts)

@@ -17,7 +17,7 @@ from coordination.baseline import Trigger, attended
 from coordination.drain import DrainWatcher
 from coordination.drain_control import CoordinatorDrainActions
 from coordination.metrics import TRIGGERS
-from ray_ckpt.errors import MembershipChanged
+from ray_ckpt.errors import CoordinationFailed, MembershipChanged
 from ray_ckpt.identity import EpisodeId
 from tests.unit.coord_fleet import Fleet, make_fleet
 
@@ -133,3 +133,30 @@ async def test_a_drain_after_a_member_died_is_refused_and_publishes_nothing(
     # The refused drain is reported once, not attempted on every poll.
     assert await watch.poll_once() is None
     assert watch.handled == {"nA"}
+
+
+@pytest.mark.parametrize("trigger", [t for t in Trigger if not attended(t)])
+async def test_a_member_lost_before_anything_completed_refuses_unattended_checkpoints(
+    fleet: Fleet, trigger: str
+) -> None:
+    """No complete checkpoint yet, so no baseline: a member whose process is
+    found gone still makes the Gym another one.  Found by the seeded
+    simulation: a periodic checkpoint after a death, before the first
+    complete checkpoint, published the survivors as `latest`."""
+    fleet.hosts["agent/agent"].dead = True
+    with pytest.raises(CoordinationFailed):
+        await fleet.core.checkpoint("/ck/1", SCOPE, trigger=trigger)  # finds it gone
+    assert "agent/agent" not in fleet.core.hosts
+    prepares = len(fleet.events("prepare"))
+    with pytest.raises(MembershipChanged, match="gone: agent/agent"):
+        await fleet.core.checkpoint("/ck/2", SCOPE, trigger=trigger)
+    assert len(fleet.events("prepare")) == prepares, "nobody was paused"
+    # A relaunch under the same name holds nothing of what was lost.
+    fleet.add("agent/agent")
+    with pytest.raises(MembershipChanged, match="gone: agent/agent"):
+        await fleet.core.checkpoint("/ck/3", SCOPE, trigger=trigger)
+    assert fleet.manifests == [] and fleet.latests == []
+    # A person accepts the Gym as it is; unattended ones go on from there.
+    await fleet.core.checkpoint("/ck/4", SCOPE)
+    await fleet.core.checkpoint("/ck/5", SCOPE, trigger=trigger)
+    assert [m[0] for m in fleet.manifests] == ["/ck/4", "/ck/5"]
