@@ -48,11 +48,17 @@ async def commit(c: ParticipantController, req: CommitRequest) -> dict[str, Any]
         cached = c.state.admit("commit", cid, unfinished=releasing)
         if cached is not None:
             return dict(cached)
-        c._renew(req)
-        if write is not None and releasing:
-            return await _finish_commit(c, req, scope, write)
+        # Refusals first (a passed deadline, an export the participant
+        # refuses: no scope where it needs one, a restart-only episode in
+        # it): a refused commit changes nothing, the lease included.
+        req.remaining(c.clock.now())
         if write is None:
-            write = c._writes[cid] = await c._commits.export(req, scope)
+            write = await c._commits.export(req, scope)
+            c._writes[cid] = write
+        # Accepted: the lease now covers this call's deadline.
+        c._renew(req)
+        if releasing:
+            return await _finish_commit(c, req, scope, write)
         # First try, or a retry after the store failed: store the same records again.
         task = c._commits.start(write, req)
     # The write is shielded: a missed deadline fails this call, not the write.
@@ -87,11 +93,14 @@ async def _commit_async(
         cached = c.state.admit("commit", cid)
         if cached is not None:
             return dict(cached)
-        c._renew(req)
+        req.remaining(c.clock.now())
         busy = c._background.busy()
         if busy is not None:  # the prepare waited for it; a commit without one did not
             raise CheckpointConflict(f"the write of {busy} still runs; prepare waits for it")
         write = await c._commits.export(req, scope, capture=True)
+        # Accepted only once captured: every refusal above changes nothing,
+        # the lease included.
+        c._renew(req)
         if scope is not None:
             # The capture holds its own copy: freeing restored state the
             # scope leaves out cannot change what is written.

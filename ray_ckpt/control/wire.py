@@ -75,6 +75,13 @@ class RetireRequest(CheckpointRequest, frozen=True, forbid_unknown_fields=True, 
 class ForgetRequest(CheckpointRequest, frozen=True, forbid_unknown_fields=True, kw_only=True):
     rollout_ids: Annotated[list[RolloutIdStr], msgspec.Meta(min_length=1)]
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # The pattern alone lets `r-a1` through: the reserved -a<N> suffix is
+        # refused here as on every other route that names a rollout.
+        for rollout_id in self.rollout_ids:
+            validate_rollout_id(rollout_id)
+
 
 REQUEST_TYPES: dict[str, type[CheckpointRequest]] = {
     "prepare": CheckpointRequest,

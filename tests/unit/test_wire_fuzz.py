@@ -8,8 +8,10 @@ bodies) with random bodies, methods, headers, IDs, deadlines and directories.
 Invariants on every reply: no 5xx; every 4xx carries
 `{"error": {"code", "detail"}}`; under the control prefix 401 exactly when the
 request does not carry one correct bearer header; an accepted ID always
-matches its pattern in full.  After the run each participant completes a
-normal checkpoint whose records equal those committed before it.
+matches its pattern in full (and no accepted rollout ID ends in the reserved
+`-a<N>` suffix); a refused request changes nothing the status shows (phase,
+checkpoint ID, lease, retire marks).  After the run each participant
+completes a normal checkpoint whose records equal those committed before it.
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ ID_FULL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 # its rollout so an accepted random retire cannot legitimately remove it.
 KEEP = "keep"
 KEEP_STATE = {"turn": 7, "notes": ["a", "b"]}
+# A restart-only episode (never exported): a commit whose scope names it is
+# refused by the export, after the fencing, so that refusal is fuzzed too.
+RESTART = "rst"
+RESERVED = re.compile(r"-a[1-9][0-9]*\Z")
 FAR = 2_000_000_000.0
 
 
@@ -131,6 +137,8 @@ def fronts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Front]]:
     async def start(name: str) -> Front:
         participant = FakeParticipant()
         participant.start(KEEP, at_boundary=True, state=KEEP_STATE)
+        participant.start(RESTART, state={"lost": True})
+        participant.restarts.add(RESTART)
         ctl = ParticipantController(participant, instance="env-0", settings=cp_settings())
         app = _aiohttp_app(ctl) if name == "aiohttp" else _asgi_app(ctl)
         sock = bind_socket("127.0.0.1", 0)
@@ -198,7 +206,7 @@ def checkpoint(front: Front, cid: str, directory: pathlib.Path) -> list[tuple[st
 # --- strategies -----------------------------------------------------------------------
 
 good_ids = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,20}\Z").filter(
-    lambda s: s != KEEP and not s.startswith(f"{KEEP}-a")
+    lambda s: all(s != k and not s.startswith(f"{k}-a") for k in (KEEP, RESTART))
 )
 ids = st.one_of(
     good_ids,
@@ -302,9 +310,13 @@ def paths() -> st.SearchStrategy[tuple[str, str]]:
 def well_formed(op: str, tmp: str) -> st.SearchStrategy[bytes]:
     """A body the controller decodes (so the call reaches its phase rules)."""
     cids = st.one_of(st.sampled_from(["c1", "c2", "c3"]), good_ids)
-    deadline = st.sampled_from([FAR, FAR, 1.0, 0.0])
+    # Several future deadlines, so a lease a refused call moved shows.
+    deadline = st.sampled_from([FAR, FAR, FAR - 1000, FAR + 1000, 1.0, 0.0])
     eps = st.lists(
-        st.fixed_dictionaries({"rollout_id": good_ids, "attempt": st.integers(0, 3)}),
+        st.one_of(
+            st.fixed_dictionaries({"rollout_id": good_ids, "attempt": st.integers(0, 3)}),
+            st.just({"rollout_id": RESTART, "attempt": 0}),
+        ),
         min_size=1,
         max_size=2,
     )
@@ -315,7 +327,9 @@ def well_formed(op: str, tmp: str) -> st.SearchStrategy[bytes]:
     if op in ("retire",):
         fields["episode_ids"] = eps
     if op == "forget":
-        fields["rollout_ids"] = st.lists(good_ids, min_size=1, max_size=2)
+        fields["rollout_ids"] = st.lists(
+            st.one_of(good_ids, st.sampled_from(["r-a1", "x.y-a20"])), min_size=1, max_size=2
+        )
     return st.fixed_dictionaries(fields).map(lambda d: json.dumps(d).encode())
 
 
@@ -349,6 +363,7 @@ def check_reply(
         path = f"{CHECKPOINT_ROUTE_PREFIX}/{name}"
     else:
         path = f"/ng-rollout/{urllib.parse.quote(name, safe='')}/echo"
+    before = observed(front)
     status, raw, _ = request(front, method, path, [("Authorization", a) for a in auth], body)
     front.seen[status] = front.seen.get(status, 0) + 1
     assert status < 500, (front.name, method, path, raw)
@@ -359,6 +374,9 @@ def check_reply(
         err = reply["error"]
         assert isinstance(err.get("code"), str), reply
         assert isinstance(err.get("detail"), str), reply
+        if not write_attempted(front, where, body, err["code"]):
+            # Refused: nothing changed, the lease included.
+            assert observed(front) == before, (front.name, method, path, body, reply)
     if plane == "control":
         # Leading and trailing whitespace is not part of a field value (RFC 9110
         # §5.5): both parsers drop it before the token is compared.
@@ -375,8 +393,30 @@ def check_reply(
         assert len(cid) <= MAX_ID_LENGTH
         for ep in sent.get("episode_ids") or []:
             assert ID_FULL.fullmatch(ep["rollout_id"]), sent
+            assert not RESERVED.search(ep["rollout_id"]), sent
         for rid in sent.get("rollout_ids") or []:
             assert ID_FULL.fullmatch(rid), sent
+            assert not RESERVED.search(rid), sent
+
+
+def observed(front: Front) -> tuple[Any, ...]:
+    """What a refused request must leave as it was.  Read from this thread
+    between requests: each call has ended before its reply came back."""
+    st = front.ctl.status()
+    return st["phase"], st["checkpoint_id"], st["lease_expires_at"], st["retired_rollouts"]
+
+
+def write_attempted(front: Front, where: tuple[str, str], body: bytes | None, code: str) -> bool:
+    """A commit accepted, whose store write then failed (a directory the store
+    refuses, or one holding another commit): not a refusal.  Its write stays
+    registered for a retry, which is how it is told apart."""
+    if where != ("control", "commit") or body is None or code == "checkpoint_conflict":
+        return False
+    try:
+        cid = json.loads(body)["checkpoint_id"]
+    except (ValueError, TypeError, KeyError):
+        return False
+    return isinstance(cid, str) and cid in front.ctl._writes
 
 
 def test_every_route_under_random_requests(
@@ -412,3 +452,94 @@ def test_every_route_under_random_requests(
         assert after == before[f.name], f.name
         # The run reached the controller, not just the gate.
         assert set(f.seen) & {200, 400, 409}, f.seen
+
+
+def test_every_refused_call_leaves_the_status_as_it_was(
+    fronts: list[Front], tmp_path: pathlib.Path
+) -> None:
+    """Each operation refused over HTTP, on an open checkpoint whose lease a
+    later deadline would move: the reply is a typed 4xx and nothing the
+    status shows changes (the random run above reaches these rarely)."""
+    later = FAR + 1000
+    ck = str(tmp_path / "ck")
+    scope = [{"rollout_id": KEEP}, {"rollout_id": RESTART}]
+    refused: list[tuple[str, dict[str, Any], int, str]] = [
+        ("prepare", {"checkpoint_id": "other", "deadline_ts": later}, 409, "checkpoint_conflict"),
+        ("renew", {"checkpoint_id": "other", "deadline_ts": later}, 409, "checkpoint_conflict"),
+        ("renew", {"checkpoint_id": "refusals-open", "deadline_ts": 1.0}, 409, "deadline_exceeded"),
+        (
+            "renew",
+            {"checkpoint_id": "refusals-open", "deadline_ts": later, "x": 1},
+            400,
+            "invalid_request",
+        ),
+        (
+            "commit",
+            {
+                "checkpoint_id": "refusals-open",
+                "deadline_ts": later,
+                "checkpoint_dir": ck,
+                "episode_ids": scope,
+            },
+            409,
+            "restart_in_scope",
+        ),
+        (
+            "commit",
+            {"checkpoint_id": "refusals-open", "deadline_ts": 1.0, "checkpoint_dir": ck},
+            409,
+            "deadline_exceeded",
+        ),
+        (
+            "commit",
+            {"checkpoint_id": "refusals-open", "deadline_ts": later},
+            400,
+            "invalid_request",
+        ),
+        (
+            "restore",
+            {
+                "checkpoint_id": "refusals-open",
+                "deadline_ts": later,
+                "checkpoint_dir": ck,
+                "episode_ids": [{"rollout_id": KEEP}],
+            },
+            409,
+            "invalid_phase",
+        ),
+        (
+            "retire",
+            {
+                "checkpoint_id": "refusals-open",
+                "deadline_ts": later,
+                "episode_ids": [{"rollout_id": "z"}],
+            },
+            409,
+            "invalid_phase",
+        ),
+        (
+            "forget",
+            {"checkpoint_id": "refusals-open", "deadline_ts": later, "rollout_ids": ["z-a1"]},
+            400,
+            "invalid_request",
+        ),
+        ("resume", {"checkpoint_id": "other", "deadline_ts": later}, 409, "checkpoint_conflict"),
+        (
+            "resume",
+            {"checkpoint_id": "refusals-open", "deadline_ts": later, "abort": 1},
+            400,
+            "invalid_request",
+        ),
+    ]
+    for f in fronts:
+        code, reply = call_json(
+            f, "prepare", {"checkpoint_id": "refusals-open", "deadline_ts": FAR - 1000}
+        )
+        assert (code, reply["phase"]) == (200, "prepared"), reply
+        before = observed(f)
+        for op, sent, status, reason in refused:
+            code, reply = call_json(f, op, sent)
+            assert (code, reply["error"]["code"]) == (status, reason), (f.name, op, sent, reply)
+            assert observed(f) == before, (f.name, op, sent)
+        code, reply = call_json(f, "resume", {"checkpoint_id": "refusals-open", "deadline_ts": FAR})
+        assert code == 200, reply

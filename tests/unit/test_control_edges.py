@@ -1,0 +1,166 @@
+"""Edges of the participant's control operations, on one real controller.
+
+A refused call changes nothing (the lease included); `forget` refuses the
+reserved attempt suffix like every other route.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+import pytest
+from pydantic import SecretStr
+
+from ray_ckpt.clock import SystemClock
+from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    RestartInScope,
+)
+from ray_ckpt.identity import EpisodeId
+from ray_ckpt.settings import CheckpointSettings
+from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.seam import FileRecordStore
+from tests.unit.fakes import FakeParticipant
+
+GRACE = 60.0
+
+
+class GatedStore(FileRecordStore):
+    """Real files; each write waits for the gate (a slow disk)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.started = threading.Event()
+        self.writes = 0
+
+    def write(self, checkpoint_dir: str, **kw: Any) -> Any:
+        self.writes += 1
+        self.started.set()
+        self.gate.wait(10)
+        return super().write(checkpoint_dir, **kw)
+
+
+class ScopedOnly(FakeParticipant):
+    """Exports only a named scope, as the policy model does (its ledger
+    holds every episode it ever served)."""
+
+    async def export(self, scope: Sequence[EpisodeId] | None) -> list[Record]:
+        if scope is None:
+            raise InvalidRequest("this participant exports only a named scope")
+        return await super().export(scope)
+
+
+def make(
+    participant: FakeParticipant | None = None,
+) -> tuple[ParticipantController, FakeParticipant, GatedStore]:
+    p = participant or FakeParticipant()
+    store = GatedStore()
+    settings = CheckpointSettings(
+        enabled=True, control_auth_token=SecretStr("t"), lease_grace_seconds=GRACE
+    )
+    c = ParticipantController(
+        p, instance="env0", settings=settings, clock=SystemClock(), store=store
+    )
+    return c, p, store
+
+
+def body(cid: str, deadline: float = 10.0, **extra: Any) -> dict[str, Any]:
+    return {"checkpoint_id": cid, "deadline_ts": time.time() + deadline, **extra}
+
+
+def fields(c: ParticipantController) -> tuple[Any, ...]:
+    st = c.status()
+    return st["phase"], st["checkpoint_id"], st["lease_expires_at"], st["retired_rollouts"]
+
+
+# --- 1. a refused request changes nothing, the lease included --------------------------
+
+
+@pytest.mark.parametrize("durability", ["sync", "async"])
+async def test_a_commit_the_model_refuses_leaves_the_lease_where_it_was(
+    tmp_path: pathlib.Path, durability: str
+) -> None:
+    c, p, store = make(ScopedOnly("model"))
+    p.start("r1", at_boundary=True, state={"rows": 1})
+    await c.handle("prepare", body("c1", deadline=5))
+    before = fields(c)
+    later = body("c1", deadline=500, checkpoint_dir=str(tmp_path / "ck"), durability=durability)
+    with pytest.raises(InvalidRequest, match="named scope"):
+        await c.handle("commit", later)
+    assert fields(c) == before
+    # The refusal left the checkpoint usable: the same commit with a scope goes through.
+    store.gate.set()
+    reply = await c.handle("commit", {**later, "episode_ids": [{"rollout_id": "r1"}]})
+    assert reply["episode_ids"] == ["r1"]
+    await c.aclose()
+
+
+@pytest.mark.parametrize("durability", ["sync", "async"])
+async def test_a_commit_naming_a_restart_only_episode_leaves_the_lease_where_it_was(
+    tmp_path: pathlib.Path, durability: str
+) -> None:
+    c, p, _ = make()
+    p.start("r1", at_boundary=True, state={})
+    p.start("r2", state={})
+    p.restarts.add("r2")
+    await c.handle("prepare", body("c1", deadline=5))
+    before = fields(c)
+    scope = [{"rollout_id": "r1"}, {"rollout_id": "r2"}]
+    commit = body(
+        "c1",
+        deadline=500,
+        checkpoint_dir=str(tmp_path / "ck"),
+        episode_ids=scope,
+        durability=durability,
+    )
+    with pytest.raises(RestartInScope):
+        await c.handle("commit", commit)
+    assert fields(c) == before
+    await c.aclose()
+
+
+async def test_a_commit_past_its_deadline_is_refused_before_anything_changes(
+    tmp_path: pathlib.Path,
+) -> None:
+    c, p, store = make()
+    p.start("r1", at_boundary=True, state={})
+    await c.handle("prepare", body("c1", deadline=5))
+    before = fields(c)
+    for durability in ("sync", "async"):
+        with pytest.raises(DeadlineExceeded):
+            await c.handle(
+                "commit",
+                body("c1", deadline=-1, checkpoint_dir=str(tmp_path), durability=durability),
+            )
+        assert fields(c) == before
+    assert store.writes == 0
+    await c.aclose()
+
+
+# --- 2. forget refuses the reserved attempt suffix --------------------------------------
+
+
+@pytest.mark.parametrize("rollout_id", ["r-a1", "job.7-a12"])
+async def test_forget_refuses_a_rollout_id_with_the_reserved_suffix(rollout_id: str) -> None:
+    c, _, _ = make()
+    await c.handle("retire", body("c0", episode_ids=[{"rollout_id": "r", "attempt": 1}]))
+    before = fields(c)
+    for sent in (body("c1", rollout_ids=[rollout_id]), body("c1", rollout_ids=["r", rollout_id])):
+        with pytest.raises(InvalidRequest, match="reserved"):
+            await c.handle("forget", sent)
+        # Both transports' decoders (JSON bytes over HTTP, a dict over Ray).
+        with pytest.raises(InvalidRequest, match="reserved"):
+            await c.handle("forget", orjson.dumps(sent))
+    assert fields(c) == before
+    # Suffixes that are not the reserved one stay legal.
+    legal = ["r", "r-a0", "r-a01", "r-b1"]
+    assert (await c.handle("forget", body("c1", rollout_ids=legal)))["forgotten"] == ["r"]
+    await c.aclose()
