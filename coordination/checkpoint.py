@@ -204,9 +204,10 @@ async def commit(
                 seconds=time.monotonic() - start,
                 manifest_s=0.0,
                 timings=out.timings,
-                # Nothing written yet; the copies' size is measured after the
-                # resume (`DurableResult.captured_bytes`).
-                bytes={k: 0 for k in out.replies},
+                # Unknown, not 0: nothing is written yet, and the copies are
+                # measured by the writes after the resume (`DurableResult`
+                # gives both sizes).
+                bytes={k: None for k in out.replies},
                 episode_ids=exported,
                 continued=continued,
                 restart=restart,

@@ -66,7 +66,7 @@ def last_checkpoint_line(last: LastCheckpoint | None, now: float) -> str:
     return (
         f"last checkpoint: {last.checkpoint_id} ({last.trigger}) "
         f"{max(now - last.finished_at, 0):.0f}s ago, took {last.total_s:.3f}s, "
-        f"{size(last.bytes)}, in {last.checkpoint_dir}"
+        f"{'size pending' if last.bytes is None else size(last.bytes)}, in {last.checkpoint_dir}"
     )
 
 

@@ -342,7 +342,7 @@ class CoordinatorCore(PhaseDriver):
             resume_s=resumed.seconds if resumed is not None else None,
             timings=timings,
             bytes=committed.bytes,
-            total_bytes=sum(committed.bytes.values()),
+            total_bytes=committed.total_bytes,
             episode_ids=committed.episode_ids,
             restarts=prepared.restarts,
             resume_failures=resumed.failures if resumed is not None else {},

@@ -172,11 +172,13 @@ class CoordinatorMetrics:
                 rec("commit_seconds", table["commit"], {"kind": kind_of(key)})
         by_kind: dict[str, int] = {}
         for key, n in result.bytes.items():
-            by_kind[kind_of(key)] = by_kind.get(kind_of(key), 0) + n
+            if n is not None:  # None: a pending checkpoint's, not written yet
+                by_kind[kind_of(key)] = by_kind.get(kind_of(key), 0) + n
         if not result.pending:
             for kind, n in by_kind.items():
                 rec("bytes_written_total", n, {"kind": kind})
-        rec("last_checkpoint_bytes", result.total_bytes, t)
+        if result.total_bytes is not None:  # a pending one's: at `durable_done`
+            rec("last_checkpoint_bytes", result.total_bytes, t)
         rec("episodes_in_scope_total", len(result.continued) + len(result.restart), t)
         rec("episodes_continued_total", len(result.continued), {"phase": "checkpoint"})
         rec("episodes_restarted_total", len(result.restart), {"phase": "checkpoint"})
@@ -190,6 +192,7 @@ class CoordinatorMetrics:
             by_kind[kind_of(key)] = by_kind.get(kind_of(key), 0) + n
         for kind, n in by_kind.items():
             self.sink.record("bytes_written_total", n, {"kind": kind})
+        self.sink.record("last_checkpoint_bytes", result.total_bytes, t)
 
     def checkpoint_failed(self, err: BaseException, seconds: float, trigger: str) -> None:
         t = {"trigger": trigger_label(trigger)}

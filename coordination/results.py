@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -39,15 +40,23 @@ class CommitResult(msgspec.Struct, frozen=True, kw_only=True):
     seconds: float
     manifest_s: float
     timings: dict[str, float]
-    bytes: dict[str, int]
+    # participant → bytes of its records object; None while `pending`: not
+    # written yet, so unknown (never 0): `DurableResult.bytes` gives them.
+    bytes: Mapping[str, int | None]
     episode_ids: dict[str, list[str]]  # participant → capture keys exported
     # Per episode of the scope (capture keys): some participant exported state
     # for it (`continued`), or none did and it starts over (`restart`).
     continued: list[str] = msgspec.field(default_factory=list)
     restart: list[str] = msgspec.field(default_factory=list)
-    # An asynchronous commit: records captured, still being written (`bytes`
-    # are the captured bytes); no Gym manifest yet (`coordination.async_commit`).
+    # An asynchronous commit: records captured, still being written; no Gym
+    # manifest yet (`coordination.async_commit`).
     pending: bool = False
+
+    @property
+    def total_bytes(self) -> int | None:
+        """Every participant's bytes, summed; None if any is unknown (pending)."""
+        known = [n for n in self.bytes.values() if n is not None]
+        return sum(known) if len(known) == len(self.bytes) else None
 
 
 class ResumeResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -66,8 +75,12 @@ class CheckpointResult(msgspec.Struct, frozen=True, kw_only=True):
     manifest_s: float
     resume_s: float | None  # None when the checkpoint was left open for publishing
     timings: dict[str, dict[str, float]]  # participant → {op: seconds}
-    bytes: dict[str, int]
-    total_bytes: int
+    # As in `CommitResult`: None per participant while `pending` (nothing is
+    # written yet, and the capture is measured by the write, after the
+    # resume), and `total_bytes` None then too; `PendingCheckpoint.durable()`
+    # gives both figures (`DurableResult.bytes`, `.captured_bytes`).
+    bytes: Mapping[str, int | None]
+    total_bytes: int | None
     episode_ids: dict[str, list[str]]
     restarts: dict[str, list[str]]
     resume_failures: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
@@ -178,7 +191,7 @@ class LastCheckpoint(msgspec.Struct, frozen=True, kw_only=True):
     checkpoint_dir: str
     finished_at: float  # epoch seconds
     total_s: float
-    bytes: int
+    bytes: int | None  # None for an asynchronous one (not written when it returned)
     trigger: str
 
 

@@ -106,11 +106,13 @@ async def _commit_async(
             # scope leaves out cannot change what is written.
             await within(c.clock, req, "release unscoped", c.participant.delete_restored(scope))
         write.released = write.parked = True
-        # No `captured_bytes` yet: the copy is measured after the resume
-        # (`capture.audit`); the status and the final reply give it.
+        # `captured_bytes` is unknown yet, so null, never 0: the copy is
+        # measured by the write as it reads it, after the resume
+        # (`capture.Audited`); `status` and the final reply give the figure.
         reply = {
             "phase": Phase.COMMITTED.value,
             "pending": True,
+            "captured_bytes": write.captured_bytes,
             **exported_keys(write.records),
             "spans": write.span_dicts(),
         }

@@ -1,7 +1,8 @@
 """Edges of the participant's control operations, on one real controller.
 
 A refused call changes nothing (the lease included); `forget` refuses the
-reserved attempt suffix like every other route.
+reserved attempt suffix like every other route; the asynchronous commit says
+which sizes are unknown (null, never 0).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import orjson
 import pytest
 from pydantic import SecretStr
 
+from coordination.hosts import FakePauseTarget
 from ray_ckpt.clock import SystemClock
 from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.errors import (
@@ -27,6 +29,7 @@ from ray_ckpt.identity import EpisodeId
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.storage.record import Record
 from ray_ckpt.storage.seam import FileRecordStore
+from tests.unit.coord_fleet import make_fleet
 from tests.unit.fakes import FakeParticipant
 
 GRACE = 60.0
@@ -164,3 +167,61 @@ async def test_forget_refuses_a_rollout_id_with_the_reserved_suffix(rollout_id: 
     legal = ["r", "r-a0", "r-a01", "r-b1"]
     assert (await c.handle("forget", body("c1", rollout_ids=legal)))["forgotten"] == ["r"]
     await c.aclose()
+
+
+# --- 3. unknown sizes are null, never 0 -------------------------------------------------
+
+
+async def test_the_pending_reply_says_captured_bytes_is_not_known_yet(
+    tmp_path: pathlib.Path,
+) -> None:
+    c, p, store = make()
+    p.start("r1", at_boundary=True, state={"tokens": [1, 2, 3]})
+    await c.handle("prepare", body("c1"))
+    ck = str(tmp_path / "ck")
+    pending = await c.handle("commit", body("c1", checkpoint_dir=ck, durability="async"))
+    assert pending["pending"] is True
+    assert "captured_bytes" in pending
+    assert pending["captured_bytes"] is None
+    await c.handle("resume", body("c1"))
+    store.gate.set()
+    final = await c.handle("commit", body("c1", checkpoint_dir=ck, durability="async"))
+    assert isinstance(final["captured_bytes"], int)
+    assert final["captured_bytes"] > 0
+    await c.aclose()
+
+
+async def test_an_empty_capture_is_known_at_once(tmp_path: pathlib.Path) -> None:
+    c, _, store = make()
+    await c.handle("prepare", body("c1"))
+    commit = body("c1", checkpoint_dir=str(tmp_path), durability="async")
+    pending = await c.handle("commit", commit)
+    assert pending["captured_bytes"] == 0
+    store.gate.set()
+    await c.handle("resume", body("c1"))
+    assert (await c.handle("commit", commit))["captured_bytes"] == 0
+    await c.aclose()
+
+
+async def test_the_coordinators_pending_result_has_no_sizes_until_durable() -> None:
+    fleet = make_fleet()
+    fleet.store.write_gate = threading.Event()
+    fleet.core.register_pause(FakePauseTarget("trainer"))
+    try:
+        fleet.parts["environment/env"].start("r1", at_boundary=True, state={"x": 1})
+        result = await fleet.core.checkpoint("/ck", [EpisodeId("r1")], durability="async")
+        assert result.pending
+        assert set(result.bytes) == set(fleet.parts)
+        assert set(result.bytes.values()) == {None}
+        assert result.total_bytes is None
+        assert fleet.core.last_checkpoint is not None
+        assert fleet.core.last_checkpoint.bytes is None
+        fleet.store.write_gate.set()
+        done = await fleet.core.durable(result.checkpoint_id)
+        assert set(done.bytes) == set(fleet.parts)
+        # A synchronous checkpoint's figures are known when it returns.
+        sync = await fleet.core.checkpoint("/ck2", [EpisodeId("r1")])
+        assert None not in sync.bytes.values()
+        assert sync.total_bytes == sum(n or 0 for n in sync.bytes.values())
+    finally:
+        await fleet.aclose()

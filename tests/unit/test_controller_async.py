@@ -75,8 +75,8 @@ async def test_pending_then_resume_while_writing_then_the_final_manifest(
     assert reply["phase"] == "committed"
     assert reply["pending"] is True
     assert reply["episode_ids"] == ["r1"]
-    # The copy is measured by the write, after the resume.
-    assert "captured_bytes" not in reply
+    # The copy is measured by the write, after the resume: unknown, not 0.
+    assert reply["captured_bytes"] is None
     st = c.status()
     assert st["writes_in_flight"] == 1
     assert st["background_write"] == {"checkpoint_id": "c1", "captured_bytes": None}
