@@ -9,7 +9,8 @@ one runs per participant: the next prepare waits for it.  When it ends, its
 outcome (the manifest, or the typed error) is kept for the last few IDs, so
 the coordinator's re-sent commit of the same ID is answered whether it comes
 before or after the write finished, and whether or not the participant has
-resumed since.
+resumed since.  A re-sent commit must name the directory and scope of the
+first (409 `checkpoint_conflict` otherwise, as in the synchronous commit).
 
 A crash before the write is durable publishes nothing: the store creates
 the manifest last, so the directory stays incomplete and the previous
@@ -25,9 +26,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ray_ckpt.control.commit import Write
-from ray_ckpt.control.wire import to_builtins
-from ray_ckpt.errors import CheckpointError, DeadlineExceeded, InvalidCheckpointState
+from ray_ckpt.control.commit import CommitScope, Write
+from ray_ckpt.control.wire import CommitRequest, to_builtins
+from ray_ckpt.errors import (
+    CheckpointConflict,
+    CheckpointError,
+    DeadlineExceeded,
+    InvalidCheckpointState,
+)
 
 OUTCOMES_KEPT = 8
 
@@ -46,11 +52,24 @@ class BackgroundWrites:
         # checkpoint ID -> the final commit reply, or the write's error
         self._outcomes: OrderedDict[str, dict[str, Any] | CheckpointError] = OrderedDict()
         self._replies: dict[str, dict[str, Any]] = {}  # the pending reply, until it ends
+        # checkpoint ID -> the (directory, scope) its commit named, kept as
+        # long as its outcome: a re-sent commit must name the same ones.
+        self._targets: dict[str, tuple[str, CommitScope]] = {}
 
     def knows(self, checkpoint_id: str) -> bool:
         """This ID's commit was asynchronous (its write runs or has ended)."""
         running = self.current is not None and self.current.checkpoint_id == checkpoint_id
         return running or checkpoint_id in self._outcomes
+
+    def check_same(self, req: CommitRequest, scope: CommitScope) -> None:
+        """A re-sent commit of a known ID must name its directory and scope
+        (`CheckpointConflict` otherwise, as `Write.check_same`): its answer is
+        that write's manifest, which is not the directory asked for."""
+        target = self._targets.get(req.checkpoint_id)
+        if target is not None and target != (req.checkpoint_dir, scope):
+            raise CheckpointConflict(
+                f"commit of {req.checkpoint_id} already runs with another directory or scope"
+            )
 
     def busy(self) -> str | None:
         """The ID whose write is due or still runs, if any."""
@@ -64,6 +83,7 @@ class BackgroundWrites:
         added) answers every re-sent commit of its ID once it is durable."""
         self.current = pending
         self._replies[pending.checkpoint_id] = reply
+        self._targets[pending.checkpoint_id] = (pending.write.checkpoint_dir, pending.write.scope)
 
     def release(self, checkpoint_id: str | None = None) -> asyncio.Task[Any] | None:
         """Start the held write (of `checkpoint_id`, or whichever is held).
@@ -107,10 +127,14 @@ class BackgroundWrites:
                 "spans": pending.write.span_dicts(),  # the write's own slice now included
             }
             outcome.pop("pending", None)
+        self._record(cid, outcome)
+
+    def _record(self, cid: str, outcome: dict[str, Any] | CheckpointError) -> None:
         self._replies.pop(cid, None)
         self._outcomes[cid] = outcome
         while len(self._outcomes) > OUTCOMES_KEPT:
-            self._outcomes.popitem(last=False)
+            gone, _ = self._outcomes.popitem(last=False)
+            self._targets.pop(gone, None)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait (at most `timeout_s`) for the write in flight; True once none runs."""

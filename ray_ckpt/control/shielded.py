@@ -36,6 +36,9 @@ async def commit(c: ParticipantController, req: CommitRequest) -> dict[str, Any]
     if c._background.knows(cid):
         # The commit of an asynchronous checkpoint, re-sent: wait for its write
         # (never stopping it), whether this participant has resumed since or not.
+        # Only the same commit: one naming another directory or scope is
+        # refused, as the synchronous path refuses it (`Write.check_same`).
+        c._background.check_same(req, scope)
         return await c._background.outcome(cid, req.remaining(c.clock.now()))
     if req.durability == "async":
         return await _commit_async(c, req, scope)

@@ -2,11 +2,13 @@
 
 A refused call changes nothing (the lease included); `forget` refuses the
 reserved attempt suffix like every other route; the asynchronous commit says
-which sizes are unknown (null, never 0).
+which sizes are unknown (null, never 0); a re-sent asynchronous commit naming
+another directory is refused.
 """
 
 from __future__ import annotations
 
+import asyncio
 import pathlib
 import threading
 import time
@@ -21,6 +23,7 @@ from coordination.hosts import FakePauseTarget
 from ray_ckpt.clock import SystemClock
 from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.errors import (
+    CheckpointConflict,
     DeadlineExceeded,
     InvalidRequest,
     RestartInScope,
@@ -225,3 +228,32 @@ async def test_the_coordinators_pending_result_has_no_sizes_until_durable() -> N
         assert sync.total_bytes == sum(n or 0 for n in sync.bytes.values())
     finally:
         await fleet.aclose()
+
+
+# --- 4. a re-sent asynchronous commit names the same directory --------------------------
+
+
+async def test_a_re_sent_async_commit_naming_another_directory_is_refused(
+    tmp_path: pathlib.Path,
+) -> None:
+    c, p, store = make()
+    p.start("r1", at_boundary=True, state={"a": 1})
+    await c.handle("prepare", body("c1"))
+    ck, other = str(tmp_path / "ck"), str(tmp_path / "other")
+    await c.handle("commit", body("c1", checkpoint_dir=ck, durability="async"))
+    # Before the write ran (not started by the refused re-send) ...
+    with pytest.raises(CheckpointConflict):
+        await c.handle("commit", body("c1", checkpoint_dir=other, durability="async"))
+    scoped = body("c1", checkpoint_dir=ck, durability="async", episode_ids=[{"rollout_id": "r1"}])
+    with pytest.raises(CheckpointConflict):
+        await c.handle("commit", scoped)
+    assert not store.started.is_set()
+    await c.handle("resume", body("c1"))
+    store.gate.set()
+    final = await c.handle("commit", body("c1", checkpoint_dir=ck, durability="async"))
+    assert final["manifest"]["checkpoint_id"] == "c1"
+    # ... and after it ended: the outcome answers only its own directory.
+    with pytest.raises(CheckpointConflict):
+        await c.handle("commit", body("c1", checkpoint_dir=other, durability="async"))
+    assert not await asyncio.to_thread(pathlib.Path(other).exists)
+    await c.aclose()
