@@ -212,7 +212,10 @@ class ParticipantController:
                 *report["blocker_details"],
             ]
             report["blocker_count"] += 1
-            return {"phase": self.state.phase.value, "report": report}
+            # Answer for this ID only: a resume may have ended it during the
+            # wait, and another checkpoint opened since.
+            phase = self.state.phase if self.state.checkpoint_id == cid else Phase.IDLE
+            return {"phase": phase.value, "report": report}
         # Wait outside the lock so a resume can interrupt this prepare.
         await self._ready.wait(req)
         async with self._lock:

@@ -3,7 +3,8 @@
 A refused call changes nothing (the lease included); `forget` refuses the
 reserved attempt suffix like every other route; the asynchronous commit says
 which sizes are unknown (null, never 0); a re-sent asynchronous commit naming
-another directory is refused.
+another directory is refused; a prepare held by a write in flight answers for
+its own ID only.
 """
 
 from __future__ import annotations
@@ -256,4 +257,43 @@ async def test_a_re_sent_async_commit_naming_another_directory_is_refused(
     with pytest.raises(CheckpointConflict):
         await c.handle("commit", body("c1", checkpoint_dir=other, durability="async"))
     assert not await asyncio.to_thread(pathlib.Path(other).exists)
+    await c.aclose()
+
+
+# --- 5. a busy prepare answers for its own ID -------------------------------------------
+
+
+async def test_a_prepare_held_by_a_write_answers_for_its_own_checkpoint(
+    tmp_path: pathlib.Path,
+) -> None:
+    c, p, store = make()
+    p.start("r1", at_boundary=True, state={"a": 1})
+    await c.handle("prepare", body("c1"))
+    await c.handle("commit", body("c1", checkpoint_dir=str(tmp_path / "a"), durability="async"))
+    await c.handle("resume", body("c1"))
+    await asyncio.to_thread(store.started.wait, 5)  # the write runs (gated)
+
+    real_wait = c._background.wait_idle
+    others: list[asyncio.Task[dict[str, Any]]] = []
+    c3_open = asyncio.Event()
+
+    async def wait_then_move_on(timeout_s: float) -> bool:
+        if others:  # c3's prepare: it opened c3 before it waits
+            c3_open.set()
+            return await real_wait(timeout_s)
+        idle = await real_wait(0.01)  # c2 gives up on the write
+        # Meanwhile c2 was resumed and c3 opened (its prepare waits too).
+        await c.handle("resume", body("c2"))
+        others.append(asyncio.ensure_future(c.handle("prepare", body("c3"))))
+        await c3_open.wait()
+        return idle
+
+    c._background.wait_idle = wait_then_move_on  # type: ignore[method-assign]
+    reply = await c.handle("prepare", body("c2"))
+    assert (c.state.checkpoint_id, c.state.phase.value) == ("c3", "preparing")
+    # c2 is over: not the phase of c3, opened since.
+    assert reply["phase"] == "idle"
+    assert reply["report"]["blockers"][0] == "write-in-flight:c1"
+    store.gate.set()
+    assert (await others[0])["phase"] == "prepared"
     await c.aclose()
