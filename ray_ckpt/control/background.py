@@ -9,8 +9,15 @@ one runs per participant: the next prepare waits for it.  When it ends, its
 outcome (the manifest, or the typed error) is kept for the last few IDs, so
 the coordinator's re-sent commit of the same ID is answered whether it comes
 before or after the write finished, and whether or not the participant has
-resumed since.  A re-sent commit must name the directory and scope of the
-first (409 `checkpoint_conflict` otherwise, as in the synchronous commit).
+resumed since.
+
+A plain resume (the coordinator's, once every member answered its commit)
+starts the held write.  Both look alike to a participant, so the
+coordinator's abort says so (`"abort": true` in the resume body: the
+checkpoint will never be published); that discards it instead, unwritten, and a
+re-sent commit of that ID is then refused `invalid_checkpoint_state`.  A
+re-sent commit must name the directory and scope of the first (409
+`checkpoint_conflict` otherwise, as in the synchronous commit).
 
 A crash before the write is durable publishes nothing: the store creates
 the manifest last, so the directory stays incomplete and the previous
@@ -135,6 +142,28 @@ class BackgroundWrites:
         while len(self._outcomes) > OUTCOMES_KEPT:
             gone, _ = self._outcomes.popitem(last=False)
             self._targets.pop(gone, None)
+
+    async def discard(self, checkpoint_id: str) -> None:
+        """`checkpoint_id` was aborted: its held write is dropped, never
+        written (the captured copies are freed with it); one a re-sent commit
+        already started is stopped (the store publishes nothing once stopped,
+        unless it was publishing).  A re-sent commit of the ID then answers
+        `invalid_checkpoint_state`."""
+        current = self.current
+        if current is None or current.checkpoint_id != checkpoint_id:
+            return
+        if current.task is None:
+            self.current = None
+            self._record(
+                checkpoint_id,
+                InvalidCheckpointState(
+                    f"checkpoint {checkpoint_id} was aborted; its captured write was discarded"
+                ),
+            )
+            return
+        # Started already: stop it; `_settle` records how it ended, and the
+        # next prepare still waits for it to end.
+        await current.write.halt()
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait (at most `timeout_s`) for the write in flight; True once none runs."""

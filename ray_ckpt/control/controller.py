@@ -44,6 +44,7 @@ from ray_ckpt.control.wire import (
     CommitRequest,
     ForgetRequest,
     RestoreRequest,
+    ResumeRequest,
     RetireRequest,
     decode_receipt_request,
     decode_request,
@@ -248,10 +249,14 @@ class ParticipantController:
         return await shielded.restore(self, req)
 
     # --- resume --------------------------------------------------------------
-    async def resume(self, req: CheckpointRequest) -> dict[str, Any]:
+    async def resume(self, req: ResumeRequest) -> dict[str, Any]:
         cid = req.checkpoint_id
         async with self._lock:
             if self.state.is_resumed(cid):
+                if req.abort:
+                    # Resumed already (its lease lapsed, say), now aborted:
+                    # its write, if it still runs, is stopped.
+                    await self._background.discard(cid)
                 # For the ID resumed, whatever else has opened since.
                 return {"phase": Phase.IDLE.value, "idempotent": True}
             active = self.state.checkpoint_id
@@ -271,7 +276,11 @@ class ParticipantController:
                 self._restores.check_whole()
                 self._restores.end()
             await self._apply(self.state.fire(Event.RESUME))
-            self._background.release(cid)  # an asynchronous commit's write, now
+            if req.abort:
+                # Never published: the captured write is dropped, not written.
+                await self._background.discard(cid)
+            else:
+                self._background.release(cid)  # an asynchronous commit's write, now
             return {"phase": self.state.phase.value, "idempotent": False}
 
     # --- retire / forget -----------------------------------------------------

@@ -31,7 +31,7 @@ MAX_REPORTED_BLOCKERS = 100
 
 
 class CheckpointRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """prepare, renew, resume."""
+    """prepare, renew (and the base of every other request)."""
 
     checkpoint_id: CheckpointIdStr
     deadline_ts: float
@@ -83,10 +83,19 @@ class ForgetRequest(CheckpointRequest, frozen=True, forbid_unknown_fields=True, 
             validate_rollout_id(rollout_id)
 
 
+class ResumeRequest(CheckpointRequest, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    # The coordinator's abort (a checkpoint that will never be published):
+    # an asynchronous commit's captured write is then discarded, not written
+    # (`ray_ckpt.control.background`).  Without it a resume follows a
+    # commit every member answered, and the write goes on.  Sent only with
+    # true, so a participant that predates it is never sent the field.
+    abort: bool = False
+
+
 REQUEST_TYPES: dict[str, type[CheckpointRequest]] = {
     "prepare": CheckpointRequest,
     "renew": CheckpointRequest,
-    "resume": CheckpointRequest,
+    "resume": ResumeRequest,
     "commit": CommitRequest,
     "restore": RestoreRequest,
     "retire": RetireRequest,

@@ -4,7 +4,8 @@ A refused call changes nothing (the lease included); `forget` refuses the
 reserved attempt suffix like every other route; the asynchronous commit says
 which sizes are unknown (null, never 0); a re-sent asynchronous commit naming
 another directory is refused; a prepare held by a write in flight answers for
-its own ID only.
+its own ID only; an aborted asynchronous checkpoint's captured write is
+discarded, never written.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.errors import (
     CheckpointConflict,
     DeadlineExceeded,
+    InvalidCheckpointState,
     InvalidRequest,
     RestartInScope,
 )
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.settings import CheckpointSettings
+from ray_ckpt.storage import read_participant
 from ray_ckpt.storage.record import Record
 from ray_ckpt.storage.seam import FileRecordStore
 from tests.unit.coord_fleet import make_fleet
@@ -296,4 +299,74 @@ async def test_a_prepare_held_by_a_write_answers_for_its_own_checkpoint(
     assert reply["report"]["blockers"][0] == "write-in-flight:c1"
     store.gate.set()
     assert (await others[0])["phase"] == "prepared"
+    await c.aclose()
+
+
+# --- 6. an aborted asynchronous checkpoint's write is discarded -------------------------
+
+
+async def test_an_aborting_resume_discards_the_captured_write(tmp_path: pathlib.Path) -> None:
+    c, p, store = make()
+    store.gate.set()
+    p.start("r1", at_boundary=True, state={"a": 1})
+    await c.handle("prepare", body("c1"))
+    ck = tmp_path / "ck"
+    await c.handle("commit", body("c1", checkpoint_dir=str(ck), durability="async"))
+    reply = await c.handle("resume", body("c1", abort=True))
+    assert reply == {"phase": "idle", "idempotent": False}
+    assert p.admission_open
+    # Nothing held, nothing running, nothing written.
+    assert c.status()["writes_in_flight"] == 0
+    assert c.status()["background_write"] is None
+    with pytest.raises(InvalidCheckpointState, match="aborted"):
+        await c.handle("commit", body("c1", checkpoint_dir=str(ck), durability="async"))
+    assert store.writes == 0
+    assert not ck.exists()
+    # The next checkpoint neither waits for it nor writes it.
+    assert (await c.handle("prepare", body("c2")))["phase"] == "prepared"
+    assert store.writes == 0
+    await c.aclose()
+
+
+async def test_an_aborting_resume_stops_a_write_a_re_sent_commit_started(
+    tmp_path: pathlib.Path,
+) -> None:
+    c, p, store = make()
+    p.start("r1", at_boundary=True, state={"a": 1})
+    await c.handle("prepare", body("c1"))
+    ck = tmp_path / "ck"
+    commit = body("c1", checkpoint_dir=str(ck), durability="async")
+    await c.handle("commit", commit)
+    # A re-send before the resume starts the write (gated: the disk is slow).
+    with pytest.raises(DeadlineExceeded):
+        await c.handle("commit", {**commit, "deadline_ts": time.time() + 0.05})
+    assert store.started.is_set()
+    await c.handle("resume", body("c1", abort=True))
+    store.gate.set()
+    with pytest.raises(InvalidCheckpointState):
+        await c.handle("commit", commit)
+    with pytest.raises(InvalidCheckpointState):  # no manifest of c1: nothing published
+        read_participant(ck, kind=p.kind, instance="env0", checkpoint_id="c1")
+    await c.aclose()
+
+
+async def test_a_plain_resume_still_writes_and_abort_must_be_a_boolean(
+    tmp_path: pathlib.Path,
+) -> None:
+    c, p, store = make()
+    store.gate.set()
+    p.start("r1", at_boundary=True, state={"a": 1})
+    await c.handle("prepare", body("c1"))
+    ck = tmp_path / "ck"
+    commit = body("c1", checkpoint_dir=str(ck), durability="async")
+    await c.handle("commit", commit)
+    for bad in (1, "true", None):
+        with pytest.raises(InvalidRequest):
+            await c.handle("resume", body("c1", abort=bad))
+    assert c.status()["phase"] == "committed"
+    await c.handle("resume", body("c1", abort=False))
+    final = await c.handle("commit", commit)
+    assert final["manifest"]["checkpoint_id"] == "c1"
+    _, records = read_participant(ck, kind=p.kind, instance="env0", checkpoint_id="c1")
+    assert [(r.key, r.state) for r in records] == [("r1", {"a": 1})]
     await c.aclose()
