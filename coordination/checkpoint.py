@@ -150,7 +150,7 @@ async def commit(
     deadline_ts = driver.clock.now() + deadline_s
     if publish_by is not None:
         deadline_ts = min(deadline_ts, publish_by)
-    async with driver._aborting(cid):
+    async with driver._aborting(cid, abort=durability == "async"):
         # In memory only, as "prepared": recovery resumes everyone whichever
         # phase a checkpoint was left in, so a write would only lengthen the pause.
         await driver._record(

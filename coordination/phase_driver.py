@@ -337,8 +337,15 @@ class PhaseDriver:
             checkpoint_id=entry.checkpoint_id, seconds=time.monotonic() - start, failures=failures
         )
 
-    async def resume_everyone(self, cid: str, deadline_s: float | None = None) -> dict[str, Any]:
+    async def resume_everyone(
+        self, cid: str, deadline_s: float | None = None, *, abort: bool = False
+    ) -> dict[str, Any]:
         """Participants in reverse order (past failures), then paused controllers.
+
+        `abort`: the checkpoint failed after an asynchronous commit captured
+        records somewhere; the resume says so, and each participant discards
+        its capture instead of writing what nothing will publish.  Only then:
+        older participants (and NeMo Gym's) refuse a resume with the field.
 
         Nothing that raises here stops it: a group whose calls fail (or whose
         fan-out itself raises), a controller that cannot be resumed, a journal
@@ -358,7 +365,9 @@ class PhaseDriver:
                 log.exception("could not journal the resume of %s; resuming anyway", cid)
         deadline_s = self.timeouts.resume_s if deadline_s is None else deadline_s
         deadline_ts = self.clock.now() + deadline_s
-        body = {"checkpoint_id": cid, "deadline_ts": deadline_ts}
+        body: dict[str, Any] = {"checkpoint_id": cid, "deadline_ts": deadline_ts}
+        if abort:
+            body["abort"] = True
         failures: dict[str, Any] = {}
         start = time.monotonic()
         for group in resume_groups(members):
@@ -427,16 +436,17 @@ class PhaseDriver:
             self._prepare_restarts = set()
 
     @contextlib.asynccontextmanager
-    async def _aborting(self, cid: str) -> AsyncIterator[None]:
-        """Abort `cid` (resume everyone) if the body raises anything, then re-raise."""
+    async def _aborting(self, cid: str, *, abort: bool = False) -> AsyncIterator[None]:
+        """Abort `cid` (resume everyone) if the body raises anything, then
+        re-raise; `abort` as for `resume_everyone`."""
         try:
             yield
         except BaseException:
-            await self._abort(cid)
+            await self._abort(cid, abort=abort)
             raise
 
-    async def _abort(self, cid: str) -> None:
-        await self.resume_everyone(cid)
+    async def _abort(self, cid: str, *, abort: bool = False) -> None:
+        await self.resume_everyone(cid, abort=abort)
 
     async def aclose(self) -> None:
         self.renewer.stop()

@@ -102,3 +102,35 @@ async def test_bad_asynchronous_requests_are_refused_before_anyone_is_paused() -
         assert set(fleet.phases().values()) == {"idle"}
     finally:
         await fleet.aclose()
+
+
+async def test_an_aborted_asynchronous_checkpoint_writes_nothing_anywhere() -> None:
+    """A commit that fails at one member after the others captured their
+    records aborts the checkpoint: their resume says so, and they discard the
+    capture instead of writing records nothing will ever publish (and that a
+    retry into the same directory would find in its way)."""
+    fleet = make_fleet()
+    fleet.hosts["agent/agent"].fail["commit"] = InvalidCheckpointState("disk gone (test)")
+    try:
+        fleet.parts["environment/env"].start("r1", at_boundary=True, state={"x": 1})
+        with pytest.raises(CoordinationFailed, match="agent/agent"):
+            await fleet.core.checkpoint("/ck", [EpisodeId("r1")], durability="async")
+        assert set(fleet.phases().values()) == {"idle"}
+        resumes = [b for h in fleet.hosts.values() for op, b in h.calls if op == "resume"]
+        assert resumes and all(b.get("abort") is True for b in resumes)
+        for ctrl in fleet.ctrls.values():
+            await ctrl._background.wait_idle(5.0)
+            assert ctrl.writes_in_flight == 0
+        assert fleet.store.writes == 0
+        assert fleet.store.data == {}
+        # A sync checkpoint's abort sends no such field: older participants refuse it.
+        fleet.hosts["agent/agent"].fail.clear()
+        fleet.hosts["model/policy"].fail["commit"] = InvalidCheckpointState("test")
+        for host in fleet.hosts.values():
+            host.calls.clear()
+        with pytest.raises(CoordinationFailed):
+            await fleet.core.checkpoint("/ck2", [EpisodeId("r1")])
+        resumes = [b for h in fleet.hosts.values() for op, b in h.calls if op == "resume"]
+        assert resumes and not any("abort" in b for b in resumes)
+    finally:
+        await fleet.aclose()
