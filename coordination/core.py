@@ -31,7 +31,7 @@ from coordination.metrics import CoordinatorMetrics
 from coordination.order import Member, forget_groups, retire_groups
 from coordination.phase_driver import PhaseDriver
 from coordination.replies import string_list
-from coordination.restore import restore, undo_restore
+from coordination.restore import fail_if_state_lost, restore, undo_restore
 from coordination.results import (
     CheckpointResult,
     CommitResult,
@@ -170,9 +170,16 @@ class CoordinatorCore(PhaseDriver):
         return min(default if asked is None else asked, left)
 
     async def resume(self, deadline_s: float | None = None) -> ResumeResult:
-        """Close (or abort) the open checkpoint; idempotent."""
+        """Close (or abort) the open checkpoint; idempotent.  The resume of a
+        restore left open fails it whole if a participant lost restored
+        state since its install (`fail_if_state_lost`)."""
         async with self.lock:
-            return await self._resume(deadline_s)
+            entry = self.open
+            result = await self._resume(deadline_s)
+            if entry is not None and entry.op == "restore":
+                episodes = [EpisodeId.from_capture_key(k) for k in entry.episode_ids]
+                await fail_if_state_lost(self, entry.checkpoint_id, episodes, result.failures)
+            return result
 
     async def renew(self) -> dict[str, float | None]:
         return await self.renewer.renew()

@@ -133,9 +133,7 @@ async def restore(
         time.monotonic() - start,
     )
     resume_failures = await driver.resume_everyone(cid) if resume else {}
-    if lost := {k: f for k, f in resume_failures.items() if f["code"] == "restored_state_lost"}:
-        await undo_restore(driver, cid, episodes, deadline_ts)  # restored state died: none continue
-        raise coordination_failed("restore", cid, lost)
+    await fail_if_state_lost(driver, cid, episodes, resume_failures)
     return RestoreResult(
         checkpoint_id=cid,
         source_checkpoint_id=source_id,
@@ -170,6 +168,24 @@ async def not_fresh(roster: Mapping[str, Host], timeout_s: float) -> dict[str, s
     keys = sorted(roster)
     whys = await asyncio.gather(*(one(roster[k]) for k in keys))
     return {k: why for k, why in zip(keys, whys, strict=True) if why is not None}
+
+
+async def fail_if_state_lost(
+    driver: PhaseDriver,
+    cid: str,
+    episodes: Sequence[EpisodeId],
+    resume_failures: Mapping[str, Mapping[str, Any]],
+) -> None:
+    """A restore's resume that a participant refused because it lost installed
+    state since the install (`restored_state_lost`: a worker died) fails the
+    restore whole: the next attempts are retired everywhere (none continues,
+    so none can start from nothing) and `CoordinationFailed` names the loss.
+    The resume may be the restore's own or a later `resume()` of a restore
+    left open (`resume=False`)."""
+    lost = {k: f for k, f in resume_failures.items() if f.get("code") == "restored_state_lost"}
+    if lost:
+        await undo_restore(driver, cid, episodes, driver.clock.now())
+        raise coordination_failed("restore", cid, {k: dict(f) for k, f in lost.items()})
 
 
 def membership_failures(

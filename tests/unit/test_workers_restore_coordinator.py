@@ -100,3 +100,47 @@ async def test_a_worker_lost_after_the_install_fails_the_coordinated_restore_who
         await participant.aclose()
         await pool.stop()
         await dst.aclose()
+
+
+async def test_a_worker_lost_before_a_later_resume_fails_the_restore_left_open() -> None:
+    """`restore(resume=False)`, then the worker dies, then the trainer's
+    `resume()`: the restore fails whole exactly as when it resumed itself."""
+    store = MemoryStore()
+    src = make_fleet(("agent/agent",), store=store)
+    participant, pool = add_workers_env(src)
+    await pool.reported()
+    on1 = owned(pool, "w1")
+    hold = Hold()
+    live = asyncio.ensure_future(
+        pool.data(pool.owner(on1), lambda s: s.run(EpisodeId(on1), hold=hold))
+    )
+    await hold.reached.wait()
+    scope = [EpisodeId(on1)]
+    await src.core.checkpoint("/ck", scope)
+    await src.ctrls[ENV].aclose()
+    await participant.aclose()
+    await pool.stop()
+    await asyncio.gather(live, return_exceptions=True)
+    await src.aclose()
+
+    dst = make_fleet(("agent/agent",), store=store)
+    participant, pool = add_workers_env(dst)
+    await pool.reported()
+    try:
+        result = await dst.core.restore("/ck", scope, resume=False)
+        assert result.restored[ENV] == [f"{on1}-a1"]
+        pool.kill("w1", respawn=True)  # OOM-killed before the trainer resumes
+        await pool.reported()
+        with pytest.raises(CoordinationFailed) as caught:
+            await dst.core.resume()
+        assert caught.value.failures[ENV]["code"] == "restored_state_lost"
+        assert set(dst.phases().values()) == {"idle"}
+        assert dst.core.open is None
+        await pool.reported()
+        with pytest.raises(StaleAttempt):
+            await pool.data(pool.owner(on1), lambda s: s.run(EpisodeId(on1, 1)))
+    finally:
+        await dst.ctrls[ENV].aclose()
+        await participant.aclose()
+        await pool.stop()
+        await dst.aclose()
