@@ -43,7 +43,7 @@ from coordination.drain_control import CoordinatorDrainActions
 from coordination.hosts import FakeHost
 from coordination.manifests import write_gym_manifest_from_replies
 from coordination.order import Member
-from coordination.results import CheckpointResult, RestoreResult, Timeouts
+from coordination.results import RestoreResult, Timeouts
 from coordination.roots import restore_target, retain, write_latest_quietly
 from coordination.signal_budget import cut_budget
 from participants.fleet import KIND_ORDER, FleetConfig
@@ -55,6 +55,7 @@ from ray_ckpt.errors import (
     CheckpointError,
     InvalidCheckpointState,
     ParticipantUnavailable,
+    UnknownReceipt,
 )
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.settings import CheckpointSettings
@@ -141,9 +142,7 @@ class SimScenario:
         side = tuple(f"g{seed}w{i}" for i in range(rng.randint(2, 4))) if workers else ()
         if not workers:
             faults -= {"worker_death"}
-        return cls(
-            seed, base, rng.choice([1, 2, 8]), faults, rng.randint(8, 16), workers, side
-        )
+        return cls(seed, base, rng.choice([1, 2, 8]), faults, rng.randint(8, 16), workers, side)
 
     @property
     def side_key(self) -> str:
@@ -188,7 +187,9 @@ class SimHost(FakeHost):
             del self.gym.lose_replies[self.member.key]
         reply = await super().call(op, body)
         if lost:
-            raise ParticipantUnavailable(f"injected: the reply of {self.member.key} to {op} was lost")
+            raise ParticipantUnavailable(
+                f"injected: the reply of {self.member.key} to {op} was lost"
+            )
         return reply
 
 
@@ -308,7 +309,9 @@ class SimGym(SeqGym):
         )
         inner = FileRecordStore(full_every=self.sim.full_every)
         ctrl = ParticipantController(
-            participant, instance=member.name, settings=settings,
+            participant,
+            instance=member.name,
+            settings=settings,
             store=FaultyStore(inner, self, key),  # type: ignore[arg-type]
         )
         await pool.reported()
@@ -432,6 +435,8 @@ class Snapshot:
     results: dict[str, Outcome]
     held: dict[str, Receipt]
     scope: list[EpisodeId]
+    retired: set[str] = field(default_factory=set)
+    continuations: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -462,18 +467,24 @@ class Trainer:
 
     def snapshot(self) -> Snapshot:
         return Snapshot(
-            dict(self.attempts), set(self.started), dict(self.results), dict(self.held),
+            dict(self.attempts),
+            set(self.started),
+            dict(self.results),
+            dict(self.held),
             self.scope(),
+            set(self.retired),
+            set(self.continuations),
         )
 
     def rollback(self, snap: Snapshot | None) -> None:
-        if snap is None:
-            self.attempts, self.started, self.results, self.held = {}, set(), {}, {}
-            return
+        """The trainer's state back to `snap` (None: nothing started)."""
+        snap = snap or Snapshot({}, set(), {}, {}, [])
         self.attempts = dict(snap.attempts)
         self.started = set(snap.started)
         self.results = dict(snap.results)
         self.held = dict(snap.held)
+        self.retired = set(snap.retired)
+        self.continuations = set(snap.continuations)
 
     def accept(self, rollout: str, outcome: Outcome, receipt: Receipt | None, via: str) -> None:
         had = self.results.get(rollout)
@@ -506,7 +517,10 @@ class Simulation:
         self.gym = SimGym(scenario)
         self.trainer = Trainer(scenario.base.tasks)
         self.rollouts = [*scenario.base.tasks, *scenario.side]
-        self.expected = {**expected, **{r: ("result", result_digest(SIDE_RESULT)) for r in scenario.side}}
+        self.expected = {
+            **expected,
+            **{r: ("result", result_digest(SIDE_RESULT)) for r in scenario.side},
+        }
         self.holds: dict[str, Hold] = {}  # side rollout -> its live attempt's hold
         self.log: list[str] = []
         self.violations: list[str] = []
@@ -522,6 +536,7 @@ class Simulation:
         self.source = DrainingNode()
         self.coordinator = SimCoordinator(self)
         self.relaunch_failures = 0
+        self.worker_deaths = 0
         self.watcher = DrainWatcher(
             self.source,
             SimDrainActions(self.coordinator, self._relaunch),  # type: ignore[arg-type]
@@ -672,7 +687,9 @@ class Simulation:
         snap = getattr(self, "_saving", None) or self.trainer.snapshot()
         self._saving = None
         self.snapshots[d] = snap
-        env = [k for p, ks in result.episode_ids.items() if p.startswith("environment/") for k in ks]
+        env = [
+            k for p, ks in result.episode_ids.items() if p.startswith("environment/") for k in ks
+        ]
         self.captured[d] = sorted(env)
 
     def _arm_checkpoint_faults(self) -> list[str]:
@@ -691,8 +708,12 @@ class Simulation:
             op = self.rng.choice(["prepare", "commit", "resume"])
             self.gym.lose_replies[k] = op
             armed.append(f"reply_lost {k} {op}")
-        self.gym.manifest_delay_s = self.rng.uniform(0.02, 0.1) if self.chance("manifest_delay") else 0.0
-        self.gym.latest_delay_s = self.rng.uniform(0.02, 0.1) if self.chance("latest_delay") else 0.0
+        self.gym.manifest_delay_s = (
+            self.rng.uniform(0.02, 0.1) if self.chance("manifest_delay") else 0.0
+        )
+        self.gym.latest_delay_s = (
+            self.rng.uniform(0.02, 0.1) if self.chance("latest_delay") else 0.0
+        )
         if self.gym.manifest_delay_s:
             armed.append(f"manifest_delay {self.gym.manifest_delay_s:.3f}")
         if self.gym.latest_delay_s:
@@ -791,9 +812,10 @@ class Simulation:
             self.source.on = False
             self.watcher.handled.clear()
         for outcome in self.watcher.outcomes[before:]:
+            error = outcome.error or {}
             self.log.append(
                 f"  drain attempt {outcome.attempt}: ok={outcome.ok} {outcome.checkpoint_id} "
-                f"{(outcome.error or {}).get('code')} {str((outcome.error or {}).get('detail'))[:200]}"
+                f"{error.get('code')} {str(error.get('detail'))[:200]}"
             )
         done = [o for o in self.watcher.outcomes[before:] if o.ok]
         if done and done[-1].location is not None:
@@ -900,6 +922,7 @@ class Simulation:
         self.log.append(f"  worker {wid} dies {when} (held {keys})")
         with contextlib.suppress(KeyError):
             pool.kill(wid, respawn=True)
+            self.worker_deaths += 1
         await pool.reported()
 
     async def _continue_from(self, where: str, restored: dict[str, list[str]]) -> None:
@@ -934,7 +957,9 @@ class Simulation:
             self.log.append(f"  refused: {type(exc).__name__}")
             return
         if served:
-            self.violations.append(f"a restore of {Path(where).name} into a serving fleet was accepted")
+            self.violations.append(
+                f"a restore of {Path(where).name} into a serving fleet was accepted"
+            )
             return
         # A fleet that served nothing yet is fresh: the restore is a restore.
         await self._continue_from(where, result.restored)
@@ -963,7 +988,9 @@ class Simulation:
     async def forget(self) -> None:
         """Drop the retire marks of rollouts whose result the trainer holds."""
         t = self.trainer
-        done = sorted({EpisodeId.from_capture_key(k).rollout_id for k in t.retired} & set(t.results))
+        done = sorted(
+            {EpisodeId.from_capture_key(k).rollout_id for k in t.retired} & set(t.results)
+        )
         if not done:
             return
         self.log.append(f"forget {done}")
@@ -990,6 +1017,18 @@ class Simulation:
         self.log.append(f"ack {len(held)}")
         try:
             await gym_receipts.ack(self.gym.core, held)
+        except UnknownReceipt as exc:
+            # A worker that died took the results it held with it (the trainer
+            # has them already): drop those receipts, ack the rest.
+            lost = [r for r in held if r.rollout_id in self.scenario.side]
+            if not self.worker_deaths or not lost:
+                self.trainer.problems.append(f"ack of {len(held)} failed: {exc!r}")
+                return
+            for r in lost:
+                self.trainer.held.pop(r.rollout_id, None)
+            self.log.append(f"  {len(lost)} receipts lost with a worker")
+            await self.ack()
+            return
         except CheckpointError as exc:
             self.trainer.problems.append(f"ack of {len(held)} failed on a whole Gym: {exc!r}")
             return
@@ -1033,7 +1072,7 @@ class Simulation:
             choices += ["ack", "collect"]
         if self.pending:
             choices += ["durable", "gc"]
-        if self.has("member_death") and self.snapshots:
+        if self.has("member_death"):
             choices += ["death"]
         if self.has("restore_live") and self.snapshots:
             choices += ["restore_live"]
@@ -1162,8 +1201,12 @@ class Simulation:
             return
         finally:
             await fresh.close()
-        env = sorted(k for p, ks in result.restored.items() if p.startswith("environment/") for k in ks)
-        want = sorted(EpisodeId.from_capture_key(k).next().capture_key for k in self.captured[where])
+        env = sorted(
+            k for p, ks in result.restored.items() if p.startswith("environment/") for k in ks
+        )
+        want = sorted(
+            EpisodeId.from_capture_key(k).next().capture_key for k in self.captured[where]
+        )
         if env != want:
             self.violations.append(f"{Path(where).name} restored {env}, it captured {want}")
 
@@ -1208,7 +1251,9 @@ class Simulation:
     def check_files(self, *, verify: bool = False) -> None:
         want = set(self.gym.keys)
         for d in self.complete():
-            listed = {f"{e.kind}/{e.instance}" for e in read_gym_manifest(open_location(d)).participants}
+            listed = {
+                f"{e.kind}/{e.instance}" for e in read_gym_manifest(open_location(d)).participants
+            }
             if listed != want:
                 self.violations.append(
                     f"{Path(d).name} is complete with {sorted(listed)}, the Gym is {sorted(want)}"

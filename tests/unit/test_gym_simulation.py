@@ -37,7 +37,7 @@ import pytest
 
 from ray_ckpt.control.client import data_session
 from tests.unit.sequences_harness import uninterrupted
-from tests.unit.sim_gym import Outcome, Simulation, SimScenario
+from tests.unit.sim_gym import Outcome, SimScenario, Simulation
 
 CI_SEEDS = list(range(300))
 THIS = "tests/unit/test_gym_simulation.py"
