@@ -53,6 +53,7 @@ from ray_ckpt.control.wire import Receipt
 from ray_ckpt.errors import (
     AdmissionClosed,
     CheckpointError,
+    CoordinationFailed,
     InvalidCheckpointState,
     ParticipantUnavailable,
     UnknownReceipt,
@@ -898,10 +899,14 @@ class Simulation:
             if when == "restored":
                 when = None
                 await self.kill_worker(result.restored, "restored")
-                resumed = await self.gym.core.resume()
-                if resumed.failures:
+                try:
+                    resumed = await self.gym.core.resume()
+                except CoordinationFailed as exc:
                     # The restore failed whole: restore again into a fresh fleet.
-                    self.log.append(f"  resume refused: {sorted(resumed.failures)}")
+                    self.log.append(f"  the restore failed at its resume: {sorted(exc.failures)}")
+                    continue
+                if resumed.failures:
+                    self.log.append(f"  resume failures: {sorted(resumed.failures)}")
                     continue
             elif when == "resumed":
                 await self.kill_worker(result.restored, "resumed")
