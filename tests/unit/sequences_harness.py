@@ -249,6 +249,17 @@ class Run:
     violations: list[str]
 
 
+def final_outcomes(base: Run) -> dict[str, Outcome]:
+    """Each rollout's one outcome in an uninterrupted run (a result or a failure)."""
+    out = {}
+    for rollout, got in base.outcomes.items():
+        assert len(got) == 1, (rollout, got)
+        outcome = got[0][1]
+        assert outcome[0] in ("result", "failure"), (rollout, outcome)
+        out[rollout] = outcome
+    return out
+
+
 async def uninterrupted(scenario: Scenario, session: aiohttp.ClientSession) -> Run:
     gym = SeqGym(scenario)
     await gym.relaunch()

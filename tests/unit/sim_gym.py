@@ -38,6 +38,7 @@ import aiohttp
 
 from coordination import receipts as gym_receipts
 from coordination.core import CoordinatorCore
+from coordination.demo.scenario import abandon_running
 from coordination.drain import DrainWatcher
 from coordination.drain_control import CoordinatorDrainActions
 from coordination.hosts import FakeHost
@@ -663,13 +664,7 @@ class Simulation:
                     await asyncio.gather(*tasks, return_exceptions=True)
 
     async def abandon_runs(self) -> None:
-        running = self.trainer.running
-        for task in running.values():
-            task.cancel()
-        for task in running.values():
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        running.clear()
+        await abandon_running(self.trainer.running)
 
     # --- checkpoints --------------------------------------------------------------
     def _new_dir(self) -> str:

@@ -24,67 +24,40 @@ uninterrupted run's; no restored attempt began from scratch; the latest
 checkpoint restores into a fresh fleet exactly what it captured.
 
 CI runs `CI_SEEDS`; `pytest tests/unit/test_gym_simulation.py --seeds N`
-runs seeds 0..N-1; a failing seed prints its replay command.
+runs seeds 0..N-1; a failing seed prints its replay command, the Gym it
+drew, its actions and the refusals its trainer met (`RAY_CKPT_SIM_SHOW=1`
+prints them for a passing seed too).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 
 import pytest
 
 from ray_ckpt.control.client import data_session
-from tests.unit.sequences_harness import uninterrupted
-from tests.unit.sim_gym import Outcome, SimScenario, Simulation
+from tests.unit.seeds import parametrize_seeds, replay_command
+from tests.unit.sequences_harness import final_outcomes, uninterrupted
+from tests.unit.sim_gym import SimScenario, Simulation
 
 CI_SEEDS = list(range(300))
-THIS = "tests/unit/test_gym_simulation.py"
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "seed" in metafunc.fixturenames:
-        n = metafunc.config.getoption("--seeds", default=None)
-        seeds = list(range(n)) if n else CI_SEEDS
-        metafunc.parametrize("seed", seeds, ids=[f"seed{s}" for s in seeds])
-
-
-def replay_command(seed: int, config: pytest.Config) -> str:
-    n = config.getoption("--seeds", default=None)
-    extra = f" --seeds {n}" if n and seed not in CI_SEEDS else ""
-    return f".venv/bin/python -m pytest '{THIS}::test_gym_simulation[seed{seed}]'{extra}"
-
-
-@functools.cache
-def _expected_cache() -> dict[int, dict[str, Outcome]]:
-    return {}
-
-
-async def expected(scenario: SimScenario, session: object) -> dict[str, Outcome]:
-    cache = _expected_cache()
-    if scenario.seed not in cache:
-        run = await uninterrupted(scenario.base, session)  # type: ignore[arg-type]
-        out: dict[str, Outcome] = {}
-        for rollout, got in run.outcomes.items():
-            assert len(got) == 1, (rollout, got)
-            kind, value = got[0][1]
-            assert kind in ("result", "failure"), (rollout, got)
-            out[rollout] = (kind, value)
-        cache[scenario.seed] = out
-    return cache[scenario.seed]
+    parametrize_seeds(metafunc, CI_SEEDS)
 
 
 async def test_gym_simulation(seed: int, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     scenario = SimScenario.draw(seed)
     async with data_session(32, 32) as session:
-        want = await expected(scenario, session)
+        want = final_outcomes(await uninterrupted(scenario.base, session))
         sim = Simulation(scenario, want, tmp_path, session)
         await sim.run()
     if sim.violations or os.environ.get("RAY_CKPT_SIM_SHOW"):
         lines = [
             f"seed {seed}: {len(sim.violations)} invariants broken",
-            f"replay: {replay_command(seed, request.config)}",
+            f"replay: {replay_command(request, seed, CI_SEEDS)}",
             f"gym: receipts={scenario.config.completion_receipts} "
             f"full_every={scenario.full_every} faults={sorted(scenario.faults)}",
             "broken:",

@@ -43,43 +43,23 @@ from ray_ckpt.control.client import data_session
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage import verify_checkpoint
 from tests.e2e.support_parity import assert_idle_and_empty
+from tests.unit.seeds import parametrize_seeds, replay_command
 from tests.unit.sequences_harness import (
     DETAILS,
     Driver,
-    Outcome,
-    Run,
     Scenario,
     SeqGym,
     Sequence,
+    final_outcomes,
     restores,
     uninterrupted,
 )
 
 CI_SEEDS = list(range(200))
-THIS = "tests/unit/test_sequences_random.py"
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "seed" in metafunc.fixturenames:
-        n = metafunc.config.getoption("--seeds", default=None)
-        seeds = list(range(n)) if n else CI_SEEDS
-        metafunc.parametrize("seed", seeds, ids=[f"seed{s}" for s in seeds])
-
-
-def replay_command(seed: int, config: pytest.Config) -> str:
-    n = config.getoption("--seeds", default=None)
-    extra = f" --seeds {n}" if n and seed not in CI_SEEDS else ""
-    return f".venv/bin/python -m pytest '{THIS}::test_random_sequence[seed{seed}]'{extra}"
-
-
-def final_outcomes(base: Run) -> dict[str, Outcome]:
-    out = {}
-    for rollout, got in base.outcomes.items():
-        assert len(got) == 1, (rollout, got)
-        outcome = got[0][1]
-        assert outcome[0] in ("result", "failure"), (rollout, outcome)
-        out[rollout] = outcome
-    return out
+    parametrize_seeds(metafunc, CI_SEEDS)
 
 
 async def test_random_sequence(seed: int, tmp_path: Path, request: pytest.FixtureRequest) -> None:
@@ -95,7 +75,7 @@ async def test_random_sequence(seed: int, tmp_path: Path, request: pytest.Fixtur
             f"random sequence seed {seed} failed: {exc!r}\n"
             f"scenario: {scenario}\nactions:\n  {actions}\n"
             f"errors and failures seen:\n  {chr(10).join(DETAILS)}\n"
-            f"replay: {replay_command(seed, request.config)}"
+            f"replay: {replay_command(request, seed, CI_SEEDS)}"
         ) from exc
 
 
