@@ -11,6 +11,7 @@ fixtures into a test module to use them.
 
 from __future__ import annotations
 
+import pathlib
 import uuid
 from collections.abc import Iterator
 
@@ -47,6 +48,16 @@ def s3_endpoint() -> Iterator[S3Endpoint]:
             yield endpoint
         finally:
             _SHARED.clear()
+
+
+@pytest.fixture(params=["local", "s3"], name="root")
+def local_or_s3_root(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> str:
+    """`root`: a checkpoint root on the local disk, then in the bucket (import
+    it with `s3_endpoint`, which the S3 case starts)."""
+    if request.param == "local":
+        return str(tmp_path / "root")
+    endpoint: S3Endpoint = request.getfixturevalue("s3_endpoint")
+    return endpoint.location()
 
 
 def s3_client(endpoint: S3Endpoint) -> object:

@@ -35,10 +35,10 @@ from ray_ckpt.storage import open_location
 from ray_ckpt.storage.gym_manifest import read_gym_manifest, verify_checkpoint
 from ray_ckpt.storage.pointer import join_location, read_latest
 from ray_ckpt.storage.seam import FileRecordStore
-from tests.s3_server import S3Endpoint, s3_endpoint
+from tests.s3_server import local_or_s3_root, s3_endpoint
 from tests.unit.coord_fleet import Fleet, make_fleet
 
-__all__ = ["s3_endpoint"]  # the fixture, imported for pytest
+__all__ = ["local_or_s3_root", "s3_endpoint"]  # the fixtures, imported for pytest
 
 # How long a held-back publish waits for the event that would release it
 # (only ever reached when the code under test is right and nothing sets it).
@@ -162,12 +162,6 @@ async def test_a_restore_waits_for_the_pending_publish() -> None:
 # --- 2. a retry into the same directory ---------------------------------------------
 
 
-@pytest.fixture(params=["local", "s3"])
-def root(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> str:
-    if request.param == "local":
-        return str(tmp_path / "root")
-    endpoint: S3Endpoint = request.getfixturevalue("s3_endpoint")
-    return endpoint.location()
 
 
 def _file_fleet() -> Fleet:

@@ -8,7 +8,6 @@ import pathlib
 import time
 
 import msgspec
-import pytest
 
 from ray_ckpt.storage import open_location, read_participant, write_gym_manifest, write_participant
 from ray_ckpt.storage.blobs import temp_key
@@ -19,20 +18,14 @@ from ray_ckpt.storage.participant_manifest import ParticipantManifest, participa
 from ray_ckpt.storage.pointer import join_location
 from ray_ckpt.storage.record import Record
 from ray_ckpt.storage.retention import collect
-from tests.s3_server import S3Endpoint, s3_endpoint
+from tests.s3_server import local_or_s3_root, s3_endpoint
 from tests.unit.catalog_fixtures import date
 
-__all__ = ["s3_endpoint"]  # the fixture, imported for pytest
+__all__ = ["local_or_s3_root", "s3_endpoint"]  # the fixtures, imported for pytest
 
 GRACE = 3600.0
 
 
-@pytest.fixture(params=["local", "s3"])
-def root(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> str:
-    if request.param == "local":
-        return str(tmp_path / "root")
-    endpoint: S3Endpoint = request.getfixturevalue("s3_endpoint")
-    return endpoint.location()
 
 
 def records(gen: int, changed: int = 1) -> list[Record]:

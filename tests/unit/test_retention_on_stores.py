@@ -4,10 +4,8 @@ HTTP on 127.0.0.1): the same code through `Blobs`, the same answers."""
 from __future__ import annotations
 
 import asyncio
-import pathlib
 
 import msgspec
-import pytest
 
 from coordination import roots
 from ray_ckpt.identity import EpisodeId
@@ -16,17 +14,11 @@ from ray_ckpt.storage.catalog import latest_location, scan
 from ray_ckpt.storage.pointer import join_location, read_latest
 from ray_ckpt.storage.record import Record
 from ray_ckpt.storage.retention import collect
-from tests.s3_server import S3Endpoint, s3_endpoint
+from tests.s3_server import local_or_s3_root, s3_endpoint
 
-__all__ = ["s3_endpoint"]  # the fixture, imported for pytest
+__all__ = ["local_or_s3_root", "s3_endpoint"]  # the fixtures, imported for pytest
 
 
-@pytest.fixture(params=["local", "s3"])
-def root(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> str:
-    if request.param == "local":
-        return str(tmp_path / "root")
-    endpoint: S3Endpoint = request.getfixturevalue("s3_endpoint")
-    return endpoint.location()
 
 
 def checkpoint(root: str, name: str, *, episodes: int = 2, complete: bool = True) -> None:

@@ -31,20 +31,14 @@ from ray_ckpt.storage.record import Record
 from ray_ckpt.storage.records_format import MAGIC
 from ray_ckpt.storage.retention import collect
 from ray_ckpt.storage.seam import FileRecordStore
-from tests.s3_server import S3Endpoint, s3_endpoint
+from tests.s3_server import local_or_s3_root, s3_endpoint
 
-__all__ = ["s3_endpoint"]  # the fixture, imported for pytest
+__all__ = ["local_or_s3_root", "s3_endpoint"]  # the fixtures, imported for pytest
 
 KIND, INST = "agent", "i0"
 PKEY = participant_key(KIND, INST)
 
 
-@pytest.fixture(params=["local", "s3"])
-def root(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> str:
-    if request.param == "local":
-        return str(tmp_path / "root")
-    endpoint: S3Endpoint = request.getfixturevalue("s3_endpoint")
-    return endpoint.location()
 
 
 def rec(i: int, gen: int, *, versioned: bool = True, pad: int = 2000) -> Record:
