@@ -3,11 +3,14 @@
 - `phase_machine` — the pure phase machine: transitions, fencing (stale →
   conflict → phase), the replay cache, lease arithmetic;
 - `controller` — `ParticipantController`, which carries out what the machine
-  decides (readiness waits, commit and restore through the storage seam);
-- `shielded` — commit's and restore's order of steps, whose work outlives
-  the call; `commit` and `restore` — that work; `background` — an
-  asynchronous commit's write, after the resume;
+  decides: every operation's order of steps reads there;
+- `commit` — the write-once export and its store write (`Commits`, `Write`);
+  `capture` — an asynchronous commit's true copy of the exported states;
+  `background` — an asynchronous commit's write, after the resume;
+- `restore` — the one restore a process may take, and its install;
 - `timing` — per-call deadlines, prepare's readiness wait, the lease watcher;
+- `receipt_ops` — the finished results a participant holds, behind `ack`
+  and `collect`;
 - `protocol` — the `Participant` hooks one kind of server implements;
 - `wire` — msgspec request and reply bodies;
 - `routes` — the shared gate and the aiohttp control routes; `asgi` — the

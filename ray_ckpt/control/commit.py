@@ -1,17 +1,16 @@
-"""The write-once commit: one checkpoint's export, its store write, and the release.
+"""The write-once commit: one checkpoint's export and its store write.
 
 A commit exports the participant's episodes once and stores those records;
 a retried commit (same directory and scope) awaits, or restarts after a
 failure, that same write instead of exporting again.  The controller keeps
 the phase machine, the lock, the write registry and the commit's order of
-steps; `Commits` does each step's work on the participant and the store, and
-the `Write` record carries one write's lifecycle (start, retry, stop, close).
+steps (the release steps after the write included); `Commits` does the work
+of each step on the participant and the store, and the `Write` record carries
+one write's lifecycle (start, retry, stop, close).
 
-Once the records are durable the phase is `committed`, but the reply is
-cached only when the release steps after the write (freeing restored state
-the scope left out, parking exported state on `stop`) are done too: a step
-that misses its deadline, or a cancelled call, is finished by a retry of the
-same commit, which skips the steps already done.
+`Commits` is given the participant once; the store and the clock at each
+call, because they are the controller's replaceable attributes (a host or a
+test swaps the store), and a write must use the one in place when it starts.
 """
 
 from __future__ import annotations
@@ -22,10 +21,12 @@ import gc
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ray_ckpt.clock import Clock
 from ray_ckpt.control.capture import Audited, capture
 from ray_ckpt.control.phase_machine import Phase
+from ray_ckpt.control.protocol import Participant
 from ray_ckpt.control.timing import within
 from ray_ckpt.control.wire import MAX_REPORTED_BLOCKERS, CommitRequest, to_builtins
 from ray_ckpt.errors import (
@@ -36,10 +37,7 @@ from ray_ckpt.errors import (
 )
 from ray_ckpt.identity import EpisodeId, is_result_key
 from ray_ckpt.storage.record import Record, check_json
-from ray_ckpt.storage.seam import StopHandle
-
-if TYPE_CHECKING:
-    from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.storage.seam import RecordStore, StopHandle
 
 # The controller's logger, not this module's: moving the code out of the
 # controller must not move its warnings away from the operators' log filters.
@@ -110,29 +108,35 @@ class Write:
 class Commits:
     """The commit's work on the participant and the store (the caller holds the lock)."""
 
-    def __init__(self, controller: ParticipantController) -> None:
-        # Read at each call, not copied: the controller's participant, store and
-        # clock are public attributes a host or a test may replace.
-        self._controller = controller
+    def __init__(self, participant: Participant, *, instance: str) -> None:
+        self._participant = participant
+        self._kind = participant.kind
+        self._instance = instance
 
     async def export(
-        self, req: CommitRequest, scope: CommitScope, *, capture: bool = False
+        self,
+        req: CommitRequest,
+        scope: CommitScope,
+        store: RecordStore,
+        clock: Clock,
+        *,
+        capture: bool = False,
     ) -> Write:
         """From a still-ready participant, export the scope (restart-only
         episodes refused) into the checkpoint's one `Write`.  `capture`: a
         true copy of each state (`capture.copy_state`) that the live state's
         later changes cannot reach (the asynchronous commit writes after the
         resume)."""
-        c = self._controller
-        if not c.participant.ready():
-            raise InvalidPhase(f"{c.kind}/{c.instance} is no longer ready")
+        participant = self._participant
+        if not participant.ready():
+            raise InvalidPhase(f"{self._kind}/{self._instance} is no longer ready")
         if scope is not None:
-            restarts = set(c.participant.report(MAX_REPORTED_BLOCKERS).restarts)
+            restarts = set(participant.report(MAX_REPORTED_BLOCKERS).restarts)
             named = sorted(e.capture_key for e in scope if e.capture_key in restarts)
             if named:
                 raise RestartInScope(f"commit scope names restart-only episodes {named}")
-        started = c.clock.now()
-        records = await within(c.clock, req, "export", c.participant.export(scope))
+        started = clock.now()
+        records = await within(clock, req, "export", participant.export(scope))
         if scope is not None:
             wanted = {e.capture_key for e in scope}
             # Held results (completion receipts) are never work in a scope:
@@ -147,29 +151,30 @@ class Commits:
             req.checkpoint_dir,
             scope,
             records,
-            c.store.new_stop(),
+            store.new_stop(),
             captured=capture,
             audited=Audited(records) if capture else None,
         )
-        write.spans.append(("capture", started, c.clock.now()))
+        write.spans.append(("capture", started, clock.now()))
         return write
 
-    def start(self, write: Write, req: CommitRequest) -> asyncio.Task[Any]:
+    def start(
+        self, write: Write, req: CommitRequest, store: RecordStore, clock: Clock
+    ) -> asyncio.Task[Any]:
         """The store write's task: started on the first try, and started again
         (with the same records) when a retry finds the previous one failed."""
-        c = self._controller
         task = write.task
         failed = (
             task is not None and task.done() and (task.cancelled() or task.exception() is not None)
         )
         if task is None or failed:
-            started = c.clock.now()
+            started = clock.now()
             task = write.task = asyncio.ensure_future(
                 asyncio.to_thread(
-                    c.store.write,
+                    store.write,
                     req.checkpoint_dir,
-                    kind=c.kind,
-                    instance=c.instance,
+                    kind=self._kind,
+                    instance=self._instance,
                     checkpoint_id=req.checkpoint_id,
                     # A capture's copies are audited as the store reads them.
                     records=write.audited if write.audited is not None else write.records,
@@ -177,48 +182,23 @@ class Commits:
                 )
             )
             # Encode, hash, write, fsync and publish: the store does them as one.
-            task.add_done_callback(lambda _t: write.spans.append(("write", started, c.clock.now())))
+            task.add_done_callback(lambda _t: write.spans.append(("write", started, clock.now())))
         return task
 
-    async def finish(self, req: CommitRequest, scope: CommitScope, write: Write) -> dict[str, Any]:
-        """Once the write is durable: drop what the scope left out, park the
-        exported episodes if the controller stops, and build the reply.
-
-        A step that misses the deadline (or whose call is cancelled) raises
-        and is run again by a retry of the same commit; a step done is not
-        repeated.
-        """
-        c = self._controller
-        started = c.clock.now()
-        if scope is not None and not write.released:
-            await within(c.clock, req, "release unscoped", c.participant.delete_restored(scope))
-        write.released = True
-        if req.stop and not write.parked:
-            await self._park_exported(req, write.records)
-        write.parked = True
-        write.spans.append(("release", started, c.clock.now()))
-        return {
-            "phase": Phase.COMMITTED.value,
-            "manifest": to_builtins(write.manifest),
-            **exported_keys(write.records),
-            "spans": write.span_dicts(),
-        }
-
-    async def _park_exported(self, req: CommitRequest, records: list[Record]) -> None:
+    async def park_exported(self, req: CommitRequest, records: list[Record], clock: Clock) -> None:
         """The controller stops instead of resuming: once the write is durable,
         free external compute the exported episodes hold (best effort: a
         failure only costs resources, never the checkpoint, so it is logged;
         only the deadline fails the call, for a retry to park again)."""
-        c = self._controller
-        park = getattr(c.participant, "park_exported", None)
+        park = getattr(self._participant, "park_exported", None)
         if park is None:
             return
         try:
-            await within(c.clock, req, "park exported", park(records))
+            await within(clock, req, "park exported", park(records))
         except Exception as exc:
             if isinstance(exc, DeadlineExceeded):
                 raise
-            log.warning("%s/%s: park_exported failed", c.kind, c.instance, exc_info=True)
+            log.warning("%s/%s: park_exported failed", self._kind, self._instance, exc_info=True)
 
 
 async def captured(records: list[Record]) -> list[Record]:
@@ -246,6 +226,16 @@ async def captured(records: list[Record]) -> list[Record]:
             else:
                 return out
         await asyncio.sleep(0)
+
+
+def commit_reply(write: Write) -> dict[str, Any]:
+    """A durable synchronous commit's reply."""
+    return {
+        "phase": Phase.COMMITTED.value,
+        "manifest": to_builtins(write.manifest),
+        **exported_keys(write.records),
+        "spans": write.span_dicts(),
+    }
 
 
 def exported_keys(records: list[Record]) -> dict[str, Any]:

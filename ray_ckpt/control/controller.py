@@ -1,19 +1,27 @@
 """The participant controller: one per Gym server, transport-agnostic.
 
-It owns the pure phase machine (`ray_ckpt.control.phase_machine`), the retire
-marks and the lock, and carries out what the machine decides on the
+`ParticipantController` owns the pure phase machine
+(`ray_ckpt.control.phase_machine`), the retire marks, the lock and the
+registry of commit writes, and carries out what the machine decides on the
 participant hooks.  The HTTP routes and the Ray actor methods both call
 `handle()`, so every transport drives the same code.
 
-Each operation's order of steps (admission of the call, phase transitions,
-replies cached for retries) reads here, except commit's and restore's: their
-work outlives the call (shielded, finished by a retry), and that shared shape
-reads in `shielded`.  The work of the steps lives in sibling modules:
-`commit` (the write-once export and its store write), `restore` (the
-once-per-process read and install) and `timing` (the call deadline, the
-readiness wait and the lease watcher).  They read this controller's
-attributes at call time, so replacing one (a test swaps `store`) reaches them
-too.
+Every operation's order of steps reads in this class: admission of the
+call, phase transitions, the work started and awaited, replies cached for
+retries.  Commit's and restore's work outlives the call: both start it once
+under the lock, shield it, and await it within the call's deadline, so a
+missed deadline or a cancelled call fails the call, not the work, and a
+retry with the same checkpoint ID awaits (or, after a failure, restarts)
+that same work; the reply is cached only once all of it, release steps
+included, is done.
+
+The work of the steps lives in helpers given only what they use: `commit`
+(the write-once export and its store write), `background` (an asynchronous
+commit's write, after the resume), `restore` (the once-per-process read and
+install), `timing` (the call deadline, the readiness wait, the lease
+watcher) and `receipt_ops` (the held results behind `ack` and `collect`).
+The controller hands them its `store` and `clock` at each call, not once,
+so replacing either (a test swaps `store`) reaches them too.
 """
 
 from __future__ import annotations
@@ -26,13 +34,13 @@ from collections import Counter
 from typing import Any
 
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
-from ray_ckpt.control import receipt_ops, shielded
-from ray_ckpt.control.background import BackgroundWrites
-from ray_ckpt.control.commit import Commits, Write
+from ray_ckpt.control import receipt_ops
+from ray_ckpt.control.background import BackgroundWrites, Pending
+from ray_ckpt.control.commit import Commits, CommitScope, Write, commit_reply, exported_keys
 from ray_ckpt.control.observer import ControlObserver
 from ray_ckpt.control.phase_machine import ControlState, Effect, Event, Phase, Transition
 from ray_ckpt.control.protocol import Participant
-from ray_ckpt.control.restore import Restores
+from ray_ckpt.control.restore import Restores, restore_reply
 from ray_ckpt.control.retire_marks import RetiredAttempts
 from ray_ckpt.control.timing import LeaseWatcher, ReadinessWait, within
 from ray_ckpt.control.wire import (
@@ -49,8 +57,14 @@ from ray_ckpt.control.wire import (
     decode_receipt_request,
     decode_request,
     report_reply,
+    to_builtins,
 )
-from ray_ckpt.errors import CheckpointConflict
+from ray_ckpt.errors import (
+    CheckpointConflict,
+    InvalidCheckpointState,
+    InvalidRequest,
+    ReceiptsOff,
+)
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.storage.seam import FileRecordStore, RecordStore
@@ -59,6 +73,15 @@ log = logging.getLogger(__name__)
 
 
 class ParticipantController:
+    """One Gym server's control plane: every control call and the lease lapse.
+
+    Every state-changing call is idempotent under its checkpoint ID (a retry
+    answers the cached reply, or finishes the work the first call started).
+    `store`, `clock` and `settings` are read at each use, so a host or a test
+    may replace them; the participant is bound once (it is handed `notify`),
+    and the helpers hold it from here.
+    """
+
     def __init__(
         self,
         participant: Participant,
@@ -80,15 +103,15 @@ class ParticipantController:
         self.state = ControlState()
         self.retired = RetiredAttempts()
         self._lock = asyncio.Lock()
-        self._ready = ReadinessWait(self)
+        self._ready = ReadinessWait()
         # The commit writes under way, by checkpoint ID; a resume or lease expiry stops them.
         self._writes: dict[str, Write] = {}
-        self._commits = Commits(self)
-        self._restores = Restores(self)
+        self._commits = Commits(participant, instance=instance)
+        self._restores = Restores(participant, instance=instance, fence=self.retired.fence)
         # The attempts named by the retires in flight (with repeats), for a
         # participant without a `retiring()` hook.
         self._retiring: Counter[EpisodeId] = Counter()
-        self._lease = LeaseWatcher(self)
+        self._lease = LeaseWatcher(self.check_lease, self._lease_left)
         # The asynchronous commit's write, running past its checkpoint's resume.
         self._background = BackgroundWrites()
         # Told of every call and lease expiry (the host's metrics); none off Ray.
@@ -106,6 +129,11 @@ class ParticipantController:
 
     def _renew(self, req: CheckpointRequest) -> None:
         self.state.renew(req.deadline_ts, self.settings.lease_grace_seconds)
+
+    def _lease_left(self) -> float | None:
+        """Seconds until the lease expires (None: no lease), for the watcher."""
+        expires = self.state.lease_expires_at
+        return None if expires is None else expires - self.clock.now()
 
     async def _apply(self, transition: Transition) -> None:
         for effect in transition.effects:
@@ -164,7 +192,7 @@ class ParticipantController:
             "fresh": self.participant.fresh() and not self._restores.restored_once,
             "writes_in_flight": self.writes_in_flight,
             "background_write": self._background.status(),
-            **receipt_ops.status_fields(self),
+            **receipt_ops.status_fields(receipt_ops.holder(self.participant)),
             "report": report_reply(self.participant.report(MAX_REPORTED_BLOCKERS)),
             "process": self.process_id,
         }
@@ -218,7 +246,11 @@ class ParticipantController:
             phase = self.state.phase if self.state.checkpoint_id == cid else Phase.IDLE
             return {"phase": phase.value, "report": report}
         # Wait outside the lock so a resume can interrupt this prepare.
-        await self._ready.wait(req)
+        await self._ready.wait(
+            lambda: self.state.checkpoint_id != cid or self.participant.ready(),
+            req.deadline_ts,
+            self.clock,
+        )
         async with self._lock:
             report = report_reply(self.participant.report(MAX_REPORTED_BLOCKERS))
             if self.state.checkpoint_id != cid:
@@ -241,12 +273,169 @@ class ParticipantController:
             self._renew(req)
             return {"lease_expires_at": self.state.lease_expires_at}
 
-    # --- commit and restore (their order of steps is in `shielded`) ------------
+    # --- commit ----------------------------------------------------------------
     async def commit(self, req: CommitRequest) -> dict[str, Any]:
-        return await shielded.commit(self, req)
+        cid = req.checkpoint_id
+        scope = tuple(req.episode_ids) if req.episode_ids is not None else None
+        if self._background.knows(cid):
+            # The commit of an asynchronous checkpoint, re-sent: wait for its write
+            # (never stopping it), whether this participant has resumed since or not.
+            # Only the same commit: one naming another directory or scope is
+            # refused, as the synchronous path refuses it (`Write.check_same`).
+            self._background.check_same(req, scope)
+            return await self._background.outcome(cid, req.remaining(self.clock.now()))
+        if req.durability == "async":
+            return await self._commit_async(req, scope)
+        async with self._lock:
+            write = self._writes.get(cid)
+            if write is not None:
+                write.check_same(req, scope)
+            # Durable but not answered: a release step failed; a retry finishes it.
+            releasing = write is not None and write.manifest is not None
+            cached = self.state.admit("commit", cid, unfinished=releasing)
+            if cached is not None:
+                return dict(cached)
+            # Refusals first (a passed deadline, an export the participant
+            # refuses: no scope where it needs one, a restart-only episode in
+            # it): a refused commit changes nothing, the lease included.
+            req.remaining(self.clock.now())
+            if write is None:
+                write = await self._commits.export(req, scope, self.store, self.clock)
+                self._writes[cid] = write
+            # Accepted: the lease now covers this call's deadline.
+            self._renew(req)
+            if releasing:
+                return await self._finish_commit(req, scope, write)
+            # First try, or a retry after the store failed: store the same records again.
+            task = self._commits.start(write, req, self.store, self.clock)
+        # The write is shielded: a missed deadline fails this call, not the write.
+        manifest = await within(self.clock, req, "commit write", asyncio.shield(task))
+        async with self._lock:
+            if self.state.checkpoint_id != cid or self._writes.get(cid) is not write:
+                cached = self.state.results.get((cid, "commit"))
+                if cached is not None:
+                    return dict(cached)
+                raise InvalidCheckpointState(f"commit of {cid} was stopped by a resume")
+            if self.state.phase is Phase.PREPARED:
+                self.state.fire(Event.COMMIT)
+                write.manifest = manifest
+            cached = self.state.results.get((cid, "commit"))
+            if cached is not None:
+                # A concurrent retry of this commit finished it first.
+                return dict(cached)
+            return await self._finish_commit(req, scope, write)
 
+    async def _finish_commit(
+        self, req: CommitRequest, scope: CommitScope, write: Write
+    ) -> dict[str, Any]:
+        """Once the write is durable, the release steps, then the reply, cached
+        only once all of it is done: drop the restored state the scope left
+        out, and park the exported episodes if the controller stops.
+
+        A step that misses the deadline (or whose call is cancelled) raises
+        and is run again by a retry of the same commit; a step done is not
+        repeated (`write.released`, `write.parked`).
+        """
+        started = self.clock.now()
+        if scope is not None and not write.released:
+            await within(
+                self.clock, req, "release unscoped", self.participant.delete_restored(scope)
+            )
+        write.released = True
+        if req.stop and not write.parked:
+            await self._commits.park_exported(req, write.records, self.clock)
+        write.parked = True
+        write.spans.append(("release", started, self.clock.now()))
+        reply = commit_reply(write)
+        self.state.cache("commit", req.checkpoint_id, reply)
+        return reply
+
+    async def _commit_async(self, req: CommitRequest, scope: CommitScope) -> dict[str, Any]:
+        """Capture, answer `pending`, and leave the write to `_background`."""
+        cid = req.checkpoint_id
+        if req.stop:
+            raise InvalidRequest(
+                "stop needs durability sync: a participant that stops frees its state once "
+                "it is durable, and an asynchronous commit answers before that"
+            )
+        async with self._lock:
+            cached = self.state.admit("commit", cid)
+            if cached is not None:
+                return dict(cached)
+            req.remaining(self.clock.now())
+            busy = self._background.busy()
+            if busy is not None:  # the prepare waited for it; a commit without one did not
+                raise CheckpointConflict(f"the write of {busy} still runs; prepare waits for it")
+            write = await self._commits.export(req, scope, self.store, self.clock, capture=True)
+            # Accepted only once captured: every refusal above changes nothing,
+            # the lease included.
+            self._renew(req)
+            if scope is not None:
+                # The capture holds its own copy: freeing restored state the
+                # scope leaves out cannot change what is written.
+                await within(
+                    self.clock, req, "release unscoped", self.participant.delete_restored(scope)
+                )
+            write.released = write.parked = True
+            # `captured_bytes` is unknown yet, so null, never 0: the copy is
+            # measured by the write as it reads it, after the resume
+            # (`capture.Audited`); `status` and the final reply give the figure.
+            reply = {
+                "phase": Phase.COMMITTED.value,
+                "pending": True,
+                "captured_bytes": write.captured_bytes,
+                **exported_keys(write.records),
+                "spans": write.span_dicts(),
+            }
+            # Started at the resume (`BackgroundWrites.release`), with the store
+            # and clock in place then.
+            self._background.adopt(
+                Pending(
+                    cid, write, lambda: self._commits.start(write, req, self.store, self.clock)
+                ),
+                reply,
+            )
+            self.state.fire(Event.COMMIT)
+            self.state.cache("commit", cid, reply)
+            return dict(reply)
+
+    # --- restore --------------------------------------------------------------
     async def restore(self, req: RestoreRequest) -> dict[str, Any]:
-        return await shielded.restore(self, req)
+        cid = req.checkpoint_id
+        async with self._lock:
+            install = self._restores.pending(cid)
+            cached = self.state.admit("restore", cid, unfinished=install is not None)
+            if cached is not None:
+                return dict(cached)
+            if install is not None:
+                install.check_same(req)
+            else:
+                manifest, records = await self._restores.read(req, self.store, self.clock)
+                await self._apply(self.state.fire(Event.RESTORE, cid))
+                install = self._restores.begin(req, manifest, records)
+            # The lease runs from the restore's start: if the install outlives
+            # this call and the coordinator goes away, the lease still resumes.
+            self._renew(req)
+            try:
+                # Shielded: a missed deadline or a cancelled call (ray.cancel
+                # of the coordinator's fan-out) ends this call, not the
+                # install; the phase stays restored with admission closed
+                # until the install ends and a retry, resume or lapse decides.
+                installed = await within(self.clock, req, "install", asyncio.shield(install.task))
+            except BaseException:
+                if not install.failed():
+                    raise
+                # The install itself raised: free what it left, reopen, and
+                # answer with a typed error (the ID is not consumed).
+                error = self._restores.failure(install)
+                cause = None if install.task.cancelled() else install.task.exception()
+                await self._restores.settle()
+                await self._apply(self.state.fire(Event.RESTORE_FAILED))
+                raise error from cause
+            install.answered = True
+            reply = restore_reply(install.manifest, installed)
+            self.state.cache("restore", cid, reply)
+            return reply
 
     # --- resume --------------------------------------------------------------
     async def resume(self, req: ResumeRequest) -> dict[str, Any]:
@@ -314,10 +503,27 @@ class ParticipantController:
 
     # --- completion receipts (`receipt_ops`): no phase, no fence -------------------
     async def ack(self, req: AckRequest) -> dict[str, Any]:
-        return await receipt_ops.ack(self, req)
+        held = receipt_ops.holder(self.participant)
+        if held is None:
+            raise ReceiptsOff(
+                f"{self.kind}/{self.instance} holds no results: completion receipts are off here"
+            )
+        if req.check:
+            known, unknown = await held.known(req.receipts)
+            return {"known": to_builtins(known), "unknown": to_builtins(unknown)}
+        now, before = await held.ack(req.receipts)
+        if now:
+            self.notify()  # a prepare waiting below the bound may be ready now
+        return {
+            "acknowledged": to_builtins(now),
+            "already": to_builtins(before),
+            **receipt_ops.status_fields(held),
+        }
 
-    async def collect(self, req: CollectRequest) -> dict[str, Any]:
-        return await receipt_ops.collect(self, req)
+    async def collect(self, _req: CollectRequest) -> dict[str, Any]:
+        held = receipt_ops.holder(self.participant)
+        results = await held.collect() if held is not None else []
+        return {"results": results, **receipt_ops.status_fields(held)}
 
     # --- lease ---------------------------------------------------------------
     async def check_lease(self) -> bool:

@@ -24,7 +24,9 @@ let them start over silently.
 
 The controller keeps the phase machine, the lock and the restore's order of
 steps; this module holds the restore's own state and its work on the
-participant and the store.
+participant and the store.  `Restores` is given the participant and the
+retire marks' `fence` once; the store and the clock at each call, because
+they are the controller's replaceable attributes (a test swaps the store).
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ray_ckpt.clock import Clock
 from ray_ckpt.control.phase_machine import Phase
+from ray_ckpt.control.protocol import Participant
 from ray_ckpt.control.timing import within
 from ray_ckpt.control.wire import RestoreRequest
 from ray_ckpt.errors import (
@@ -49,9 +53,7 @@ from ray_ckpt.errors import (
 )
 from ray_ckpt.identity import EpisodeId, is_result_key
 from ray_ckpt.storage.record import Record
-
-if TYPE_CHECKING:
-    from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.storage.seam import RecordStore
 
 # The controller's logger, not this module's: moving the code out of the
 # controller must not move its warnings away from the operators' log filters.
@@ -85,10 +87,18 @@ class Install:
 class Restores:
     """The restore's own state (once per process, the install in flight) and work."""
 
-    def __init__(self, controller: ParticipantController) -> None:
-        # Read at each call, not copied: the controller's participant and store
-        # are public attributes a host or a test may replace.
-        self._controller = controller
+    def __init__(
+        self,
+        participant: Participant,
+        *,
+        instance: str,
+        fence: Callable[[EpisodeId], None],
+    ) -> None:
+        self._participant = participant
+        self._kind = participant.kind
+        self._instance = instance
+        # Refuses attempts up to the one given (`RetiredAttempts.fence`).
+        self._fence = fence
         # Set once an install started, cleared only when one failed and its
         # leftovers were freed (then the process may restore again).
         self.restored_once = False
@@ -101,25 +111,26 @@ class Restores:
             return None
         return install
 
-    async def read(self, req: RestoreRequest) -> tuple[Any, list[Record]]:
+    async def read(
+        self, req: RestoreRequest, store: RecordStore, clock: Clock
+    ) -> tuple[Any, list[Record]]:
         """In a fresh process only: read this participant's records of the
         requested episodes (in a thread, inside the deadline)."""
-        c = self._controller
-        if self.restored_once or not c.participant.fresh():
+        if self.restored_once or not self._participant.fresh():
             raise InvalidPhase(
-                f"{c.kind}/{c.instance}: restore needs a fresh process that has "
+                f"{self._kind}/{self._instance}: restore needs a fresh process that has "
                 "served nothing and restored nothing"
             )
         wanted = {e.capture_key for e in req.episode_ids}
         return await within(
-            c.clock,
+            clock,
             req,
             "restore read",
             asyncio.to_thread(
-                c.store.read,
+                store.read,
                 req.checkpoint_dir,
-                kind=c.kind,
-                instance=c.instance,
+                kind=self._kind,
+                instance=self._instance,
                 # Held results (completion receipts) come back whatever the
                 # episodes asked: they were finished, not in any scope.
                 select=lambda key: key in wanted or is_result_key(key),
@@ -140,33 +151,31 @@ class Restores:
         return self.current
 
     async def _install_and_mark(self, records: Sequence[Record]) -> list[EpisodeId]:
-        c = self._controller
         try:
             replaced = [r.episode_id for r in records if not is_result_key(r.key)]
         except InvalidRequest as exc:
             raise InvalidCheckpointState(f"record key: {exc.detail}") from None
-        installed = await c.participant.install(records)
+        installed = await self._participant.install(records)
         # Attempt N + 1 is installed: attempts <= N of those rollouts are over
         # here, as if retired (a late step of attempt N must not be served
         # from the fresh, empty state of this process).
         for episode in replaced:
-            c.retired.fence(episode)
+            self._fence(episode)
         return installed
 
     def failure(self, install: Install) -> CheckpointError:
         """The typed error of an install that raised: a hook's own typed error
         stands; anything else (a TypeError from a user's setstate) is bad
         checkpoint state, which a retry cannot heal, never `unavailable`."""
-        c = self._controller
         if install.task.cancelled():
             return InvalidCheckpointState(
-                f"{c.kind}/{c.instance}: install of {install.checkpoint_id} was cancelled"
+                f"{self._kind}/{self._instance}: install of {install.checkpoint_id} was cancelled"
             )
         exc = install.task.exception()
         if isinstance(exc, CheckpointError):
             return exc
         return InvalidCheckpointState(
-            f"{c.kind}/{c.instance}: install of {install.checkpoint_id} failed: "
+            f"{self._kind}/{self._instance}: install of {install.checkpoint_id} failed: "
             f"{type(exc).__name__}: {exc}"
         )
 
@@ -197,15 +206,14 @@ class Restores:
         await self._free_restored(install)
 
     async def _free_restored(self, install: Install) -> None:
-        c = self._controller
         try:
-            freed = await c.participant.delete_restored(())
+            freed = await self._participant.delete_restored(())
         except Exception:
             # Best effort: the participant still resumes; a retire can free it.
             log.warning(
                 "%s/%s: freeing the state of install %s failed",
-                c.kind,
-                c.instance,
+                self._kind,
+                self._instance,
                 install.checkpoint_id,
                 exc_info=True,
             )
@@ -213,8 +221,8 @@ class Restores:
         if freed:
             log.warning(
                 "%s/%s: dropped restored state of %s: %s",
-                c.kind,
-                c.instance,
+                self._kind,
+                self._instance,
                 install.checkpoint_id,
                 freed,
             )
@@ -224,13 +232,12 @@ class Restores:
         participant lost installed state since the install and nobody
         retired it since.  The optional hook `restored_lost()` answers, by
         part lost (a worker), the capture keys of the attempts that went."""
-        c = self._controller
-        hook = getattr(c.participant, "restored_lost", None)
+        hook = getattr(self._participant, "restored_lost", None)
         lost: dict[str, list[str]] = hook() if hook is not None else {}
         if lost:
             named = "; ".join(f"{part}: {', '.join(keys)}" for part, keys in lost.items())
             raise RestoredStateLost(
-                f"{c.kind}/{c.instance}: restored state lost since the install ({named}); "
+                f"{self._kind}/{self._instance}: restored state lost since the install ({named}); "
                 "those episodes cannot continue: retire them and start them over"
             )
 

@@ -3,8 +3,8 @@
 Every control call runs inside its absolute deadline (`within`); prepare
 waits for the participant to become ready (`ReadinessWait`); and a background
 task resumes by itself when the coordinator stops renewing (`LeaseWatcher`).
-They are split from the controller because they are the timing mechanics
-only: what to do when a deadline passes or a lease runs out stays in the
+They are the timing mechanics only, given what they watch as callables:
+what to do when a deadline passes or a lease runs out stays in the
 controller, under its lock.
 """
 
@@ -13,15 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from ray_ckpt.clock import Clock
 from ray_ckpt.control.wire import CheckpointRequest
 from ray_ckpt.errors import CheckpointError, DeadlineExceeded
-
-if TYPE_CHECKING:
-    from ray_ckpt.control.controller import ParticipantController
 
 # The controller's logger, not this module's: moving the code out of the
 # controller must not move its errors away from the operators' log filters.
@@ -45,25 +42,22 @@ async def within(clock: Clock, req: CheckpointRequest, what: str, aw: Awaitable[
 class ReadinessWait:
     """Prepare's wait for the participant to become ready, woken by `notify`."""
 
-    def __init__(self, controller: ParticipantController) -> None:
-        # Read at each check, not copied: the controller's clock, state and
-        # participant are public attributes.
-        self._controller = controller
+    def __init__(self) -> None:
         self._changed = asyncio.Event()
 
     def notify(self) -> None:
         self._changed.set()
 
-    async def wait(self, req: CheckpointRequest) -> None:
-        """Return once ready, the checkpoint changed, or the deadline passed
-        (the caller reads which; this never raises on the deadline)."""
-        c = self._controller
-        cid = req.checkpoint_id
+    async def wait(self, done: Callable[[], bool], deadline_ts: float, clock: Clock) -> None:
+        """Return once `done()` (ready, or the checkpoint changed) or the
+        deadline passed (the caller reads which; this never raises on the
+        deadline).  `done` is checked at each notify, and at least every
+        `_READY_POLL_S` without one."""
         while True:
             self._changed.clear()
-            if c.state.checkpoint_id != cid or c.participant.ready():
+            if done():
                 return
-            left = req.deadline_ts - c.clock.now()
+            left = deadline_ts - clock.now()
             if left <= 0:
                 return
             with contextlib.suppress(TimeoutError):
@@ -72,11 +66,14 @@ class ReadinessWait:
 
 
 class LeaseWatcher:
-    """Calls the controller's `check_lease` soon after the lease may have expired."""
+    """Calls `check` (the controller's `check_lease`) soon after the lease may
+    have expired; `expires_in` says in how many seconds it will (None: no lease)."""
 
-    def __init__(self, controller: ParticipantController) -> None:
-        # Read at each tick, not copied: the controller's clock and state are public.
-        self._controller = controller
+    def __init__(
+        self, check: Callable[[], Awaitable[bool]], expires_in: Callable[[], float | None]
+    ) -> None:
+        self._check = check
+        self._expires_in = expires_in
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -92,12 +89,11 @@ class LeaseWatcher:
             self._task = None
 
     async def _watch(self) -> None:
-        c = self._controller
         while True:
-            expires = c.state.lease_expires_at
-            wait = 0.5 if expires is None else min(max(expires - c.clock.now(), 0.01), 0.5)
+            left = self._expires_in()
+            wait = 0.5 if left is None else min(max(left, 0.01), 0.5)
             await asyncio.sleep(wait)
             try:
-                await c.check_lease()
+                await self._check()
             except CheckpointError:
                 log.exception("lease check failed")

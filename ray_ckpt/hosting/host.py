@@ -118,7 +118,7 @@ class ParticipantHost(NamedControlOps):
             self._serving = await serve_app(self._app, self._sock, drain_s=self._drain_s)
         if self.controller is not None:
             self.controller.start()
-            if held_results(self.controller) is not None and self.metrics is not None:
+            if held_results(self.controller.participant) is not None and self.metrics is not None:
                 self._reporting = asyncio.get_running_loop().create_task(
                     _report_held(self.controller, self.metrics)
                 )
@@ -200,7 +200,7 @@ async def _report_held(controller: ParticipantController, metrics: HostMetrics) 
     """The held results as gauges: they change on the data plane (a `/run`
     finishing, an ack), not only on control calls, so they are sampled."""
     while True:
-        held = held_results(controller)
+        held = held_results(controller.participant)
         if held is not None:
             metrics.held(len(held), held.bytes)
         await asyncio.sleep(HELD_REPORT_S)
