@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from coordination.core import CoordinatorCore
+from coordination.engine import CoordinatorCore
 from coordination.hosts import FakeHost
 from coordination.journal import Journal
 from coordination.order import Member

@@ -30,8 +30,8 @@ from coordination.actor_options import (
     default_state_dir,
     get_or_create_coordinator,
 )
-from coordination.core import CoordinatorCore
 from coordination.drain_control import DrainControl, DrainStatus, Relauncher
+from coordination.engine import CoordinatorCore
 from coordination.hosts import Host
 from coordination.journal import open_journal
 from coordination.membership import KindMismatch

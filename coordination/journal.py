@@ -37,13 +37,15 @@ from typing import Protocol
 
 import msgspec
 
+from coordination.phases import CoordinatorPhase
+
 JOURNAL_NAME = "coordinator-state.json"
 
 
 class JournalEntry(msgspec.Struct, kw_only=True):
     checkpoint_id: str
-    # preparing, prepared, committing, committed, resuming; restoring, restored
-    phase: str
+    # Stepped only through the coordinator's phase table (`coordination.phases`).
+    phase: CoordinatorPhase
     op: str  # "checkpoint" or "restore"
     checkpoint_dir: str | None = None
     episode_ids: list[str] = msgspec.field(default_factory=list)  # capture keys (restore)

@@ -200,6 +200,12 @@ class CoordinatorMetrics:
         self.sink.record("checkpoints_total", 1, {**t, "outcome": "failed"})
         self.failed("checkpoint", err)
 
+    def checkpoint_aborted(self, seconds: float, trigger: str) -> None:
+        """Opened and called off (resumed before any commit) by its caller."""
+        t = {"trigger": trigger_label(trigger)}
+        self.sink.record("total_save_seconds", seconds, {**t, "outcome": "aborted"})
+        self.sink.record("checkpoints_total", 1, {**t, "outcome": "aborted"})
+
     def restore_done(self, result: RestoreResult) -> None:
         self.sink.record("restore_seconds", result.total_s, {"outcome": "ok"})
         self.sink.record("episodes_continued_total", len(result.continued), {"phase": "restore"})

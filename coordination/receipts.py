@@ -33,7 +33,7 @@ from ray_ckpt.control.wire import Receipt
 from ray_ckpt.errors import InvalidRequest, Reason, UnknownReceipt
 
 if TYPE_CHECKING:
-    from coordination.phase_driver import PhaseDriver
+    from coordination.engine import CoordinatorCore
 
 ReceiptLike = Receipt | Mapping[str, Any]
 
@@ -75,11 +75,11 @@ def receipt_list(items: Iterable[ReceiptLike]) -> list[Receipt]:
     return list(dict.fromkeys(out))
 
 
-def _environment(driver: PhaseDriver) -> list[Host]:
+def _environment(driver: CoordinatorCore) -> list[Host]:
     return [h for h in driver.hosts.values() if h.member.kind == "environment"]
 
 
-def _timeout(driver: PhaseDriver, deadline_s: float | None) -> float:
+def _timeout(driver: CoordinatorCore, deadline_s: float | None) -> float:
     return driver.timeouts.retire_s if deadline_s is None else deadline_s
 
 
@@ -93,7 +93,7 @@ def _receipts(value: Any) -> list[Receipt]:
     return msgspec.convert(value or [], list[Receipt])
 
 
-async def collect(driver: PhaseDriver, deadline_s: float | None = None) -> CollectResult:
+async def collect(driver: CoordinatorCore, deadline_s: float | None = None) -> CollectResult:
     start = time.monotonic()
     out = await fan_out(_environment(driver), "collect", lambda h: {}, _timeout(driver, deadline_s))
     _raise_failures("collect", out)
@@ -110,7 +110,7 @@ async def collect(driver: PhaseDriver, deadline_s: float | None = None) -> Colle
 
 
 async def ack(
-    driver: PhaseDriver, receipts: Sequence[Receipt], deadline_s: float | None = None
+    driver: CoordinatorCore, receipts: Sequence[Receipt], deadline_s: float | None = None
 ) -> AckResult:
     if not receipts:
         raise InvalidRequest("ack needs at least one receipt")

@@ -12,7 +12,7 @@ import asyncio
 import logging
 from typing import Any
 
-from coordination.core import CoordinatorCore
+from coordination.engine import CoordinatorCore
 from coordination.hosts import Host, HttpHost, RayHost
 from coordination.membership import KindMismatch
 from coordination.order import Member

@@ -31,7 +31,7 @@ from coordination.periodic import AssemblerScope
 from coordination.registration import http_host, register_host
 
 if TYPE_CHECKING:
-    from coordination.core import CoordinatorCore
+    from coordination.engine import CoordinatorCore
 
 log = logging.getLogger(__name__)
 

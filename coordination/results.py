@@ -49,7 +49,7 @@ class CommitResult(msgspec.Struct, frozen=True, kw_only=True):
     continued: list[str] = msgspec.field(default_factory=list)
     restart: list[str] = msgspec.field(default_factory=list)
     # An asynchronous commit: records captured, still being written; no Gym
-    # manifest yet (`coordination.async_commit`).
+    # manifest yet (`coordination.engine`).
     pending: bool = False
 
     @property

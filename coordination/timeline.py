@@ -40,7 +40,7 @@ class Timeline(msgspec.Struct, kw_only=True):
     checkpoint_id: str
     op: str  # checkpoint | restore
     trigger: str = "manual"
-    outcome: str = "open"  # open | ok | failed
+    outcome: str = "open"  # open | ok | failed | aborted (called off before a commit)
     spans: list[Span] = msgspec.field(default_factory=list)
 
 

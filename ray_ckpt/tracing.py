@@ -42,6 +42,35 @@ def span(
         yield
 
 
+def start(name: str, attributes: Mapping[str, Any] | None = None) -> Any:
+    """A span that outlives one block (a checkpoint opened by one call and
+    closed by another): started now, a child of the current span; `within`
+    makes it current for a block, `end` ends it.  None without the API."""
+    if trace is None:
+        return None
+    attrs = {k: v for k, v in (attributes or {}).items() if v is not None}
+    return trace.get_tracer(NAME).start_span(name, attributes=attrs)
+
+
+@contextlib.contextmanager
+def within(started: Any) -> Iterator[None]:
+    """`started` (from `start`) current inside the block, not ended by it."""
+    if trace is None or started is None:
+        yield
+        return
+    with trace.use_span(started, end_on_exit=False):
+        yield
+
+
+def end(started: Any, attributes: Mapping[str, Any] | None = None) -> None:
+    if trace is None or started is None:
+        return
+    for key, value in (attributes or {}).items():
+        if value is not None:
+            started.set_attribute(key, value)
+    started.end()
+
+
 def inject(headers: dict[str, str]) -> None:
     """Put the current span's context into outgoing request headers."""
     if propagate is not None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from coordination.core import CoordinatorCore
+from coordination.engine import CoordinatorCore
 from coordination.hosts import HttpHost
 from coordination.journal import Journal
 from coordination.order import Member

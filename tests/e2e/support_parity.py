@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from coordination.core import CoordinatorCore
+from coordination.engine import CoordinatorCore
 from coordination.demo.scenario import Rollouts, crash
 from coordination.handle import CoordinatorHandle
 from coordination.hosts import FakeHost

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordination.core import CoordinatorCore
+from coordination.engine import CoordinatorCore
 from coordination.hosts import FakeHost, Log
 from coordination.journal import Journal
 from coordination.order import Member

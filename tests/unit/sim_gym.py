@@ -37,7 +37,7 @@ from typing import Any
 import aiohttp
 
 from coordination import receipts as gym_receipts
-from coordination.core import CoordinatorCore
+from coordination.engine import CoordinatorCore
 from coordination.demo.scenario import abandon_running
 from coordination.drain import DrainWatcher
 from coordination.drain_control import CoordinatorDrainActions

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 
-import coordination.phase_driver as phase_driver
+import coordination.engine as phase_driver
 from coordination.hosts import FakePauseTarget
 from coordination.journal import JournalEntry
 from coordination.pause import ControllerPauses

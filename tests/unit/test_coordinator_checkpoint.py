@@ -314,7 +314,7 @@ async def test_a_new_coordinator_aborts_what_the_old_one_left_open(tmp_path: pat
         prepared = await old.core.prepare()
         assert set(old.phases().values()) == {"prepared"}
         # A second coordinator over the same state directory and participants.
-        from coordination.core import CoordinatorCore
+        from coordination.engine import CoordinatorCore
 
         new = CoordinatorCore(journal=Journal(str(tmp_path)), timeouts=FAST)
         for host in old.hosts.values():

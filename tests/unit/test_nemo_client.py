@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from coordination.core import CoordinatorCore
+from coordination.engine import CoordinatorCore
 from coordination.hosts import HttpHost
 from coordination.journal import Journal
 from coordination.membership import KindMismatch

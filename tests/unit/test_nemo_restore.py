@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from coordination.core import CoordinatorCore
+from coordination.engine import CoordinatorCore
 from coordination.hosts import HttpHost
 from coordination.journal import Journal
 from coordination.order import Member

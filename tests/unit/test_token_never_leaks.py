@@ -12,7 +12,7 @@ import uuid
 import msgspec
 import pytest
 
-from coordination.core import CoordinatorCore
+from coordination.engine import CoordinatorCore
 from coordination.hosts import HttpHost
 from coordination.journal import Journal
 from coordination.order import Member

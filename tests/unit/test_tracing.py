@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from coordination.core import CoordinatorCore
+from coordination.engine import CoordinatorCore
 from coordination.hosts import HttpHost
 from coordination.journal import Journal
 from coordination.order import Member
@@ -57,25 +57,33 @@ def spans() -> Iterator[InMemorySpanExporter]:
         EXPORTER.clear()
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
 async def test_a_checkpoint_is_one_trace_across_coordinator_and_participants(
-    spans: InMemorySpanExporter, tmp_path: pathlib.Path
+    spans: InMemorySpanExporter, tmp_path: pathlib.Path, split: bool
 ) -> None:
+    """Whole, or the split prepare / commit / resume: one checkpoint span,
+    every phase call its child."""
     config = FleetConfig(token=f"tok-{uuid.uuid4().hex}")
     fleet = await start_local_fleet(config)
     core = CoordinatorCore(journal=Journal(None), timeouts=FAST)
     keys = []
-    result = None
+    cid = None
     try:
         for kind, url in fleet.urls.items():
             member = Member(kind, config.server_name(kind))
             client = ControlClient(url, token=config.token, limit=4, limit_per_host=4)
             core.register(HttpHost(member, client))
             keys.append(member.key)
-        result = await core.checkpoint(str(tmp_path / "ck"), [EpisodeId("r1")])
+        if split:
+            cid = (await core.prepare()).checkpoint_id
+            await core.commit(str(tmp_path / "ck"), [EpisodeId("r1")])
+            await core.resume()
+        else:
+            cid = (await core.checkpoint(str(tmp_path / "ck"), [EpisodeId("r1")])).checkpoint_id
     finally:
         await core.aclose()
         await fleet.stop()
-    assert result is not None
+    assert cid is not None
     finished = spans.get_finished_spans()
     (root,) = [s for s in finished if s.name == "ray_ckpt.checkpoint"]
     assert {s.context.trace_id for s in finished} == {root.context.trace_id}
@@ -84,7 +92,7 @@ async def test_a_checkpoint_is_one_trace_across_coordinator_and_participants(
         calls = [s for s in finished if s.name == f"ray_ckpt.{op}"]
         assert sorted(s.attributes["ray_ckpt.participant"] for s in calls) == sorted(keys), op
         for call in calls:
-            assert call.attributes["ray_ckpt.checkpoint_id"] == result.checkpoint_id
+            assert call.attributes["ray_ckpt.checkpoint_id"] == cid
             assert call.parent is not None
             assert by_id[call.parent.span_id].name == "ray_ckpt.checkpoint"
         served = [s for s in finished if s.name == f"ray_ckpt.participant.{op}"]
