@@ -1,4 +1,9 @@
-"""Shared unit-test fixtures: real aiohttp servers on loopback."""
+"""Shared unit-test fixtures: real aiohttp servers on loopback; and no Ray.
+
+Unit tests run without Ray (the pure core, in-process participants, loopback
+servers): here that is enforced, not only said.  `ray.init` fails in every
+unit test, and so do the shared cluster's fixtures (`ray_session`,
+`namespace`), which a whole run may have started already for tests/ray."""
 
 from __future__ import annotations
 
@@ -34,6 +39,33 @@ async def serve() -> AsyncIterator[Serve]:
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as session:
         yield session
+
+
+class RayInUnitTest(RuntimeError):
+    """A unit test tried to start or use Ray."""
+
+
+_NO_RAY = "unit tests run without Ray: move this test under tests/ray (or tests/e2e)"
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_init(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    def refuse(*_args: object, **_kwargs: object) -> None:
+        raise RayInUnitTest(_NO_RAY)
+
+    monkeypatch.setattr(ray, "init", refuse)
+
+
+@pytest.fixture
+def ray_session() -> str:
+    raise RayInUnitTest(_NO_RAY)
+
+
+@pytest.fixture
+def namespace() -> str:
+    raise RayInUnitTest(_NO_RAY)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
