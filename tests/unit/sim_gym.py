@@ -37,10 +37,10 @@ from typing import Any
 import aiohttp
 
 from coordination import receipts as gym_receipts
-from coordination.engine import CoordinatorCore
 from coordination.demo.scenario import abandon_running
 from coordination.drain import DrainWatcher
 from coordination.drain_control import CoordinatorDrainActions
+from coordination.engine import CoordinatorCore
 from coordination.hosts import FakeHost
 from coordination.manifests import write_gym_manifest_from_replies
 from coordination.order import Member
@@ -62,7 +62,7 @@ from ray_ckpt.errors import (
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.storage import open_location, read_gym_manifest, verify_checkpoint
-from ray_ckpt.storage.pointer import read_latest
+from ray_ckpt.storage.root.pointer import read_latest
 from ray_ckpt.storage.seam import FileRecordStore
 from tests.e2e.conftest import until
 from tests.unit.inprocess_workers import TOKEN, Hold, InProcessPool, make_workers_participant
@@ -705,10 +705,10 @@ class Simulation:
             self.gym.lose_replies[k] = op
             armed.append(f"reply_lost {k} {op}")
         self.gym.manifest_delay_s = (
-            self.rng.uniform(0.02, 0.1) if self.chance("manifest_delay") else 0.0
+            self.rng.uniform(0.03, 0.15) if self.chance("manifest_delay") else 0.0
         )
         self.gym.latest_delay_s = (
-            self.rng.uniform(0.02, 0.1) if self.chance("latest_delay") else 0.0
+            self.rng.uniform(0.03, 0.15) if self.chance("latest_delay") else 0.0
         )
         if self.gym.manifest_delay_s:
             armed.append(f"manifest_delay {self.gym.manifest_delay_s:.3f}")
@@ -731,6 +731,12 @@ class Simulation:
         failed = await self._take(how, d, prepare_s=0.0005 if deadline else None)
         self._disarm()
         if failed is None:
+            if how == "whole_async" and self.rng.random() < 0.5:
+                # Overlapping: the next checkpoint opens while this one still
+                # publishes (its Gym manifest or LATEST still delayed as armed).
+                then, d2 = self.rng.choice(["split", "whole_sync", "signal"]), self._new_dir()
+                again = await self._take(then, d2, None)
+                self.log.append(f"  then {then} {Path(d2).name}: {again or 'ok'}")
             return
         self.log.append(f"  failed: {failed}")
         if self.chance("retry_dir", 0.7) and how != "drain" and not self.gym.dead:
