@@ -30,12 +30,14 @@ from coordination.actor_options import (
     default_state_dir,
     get_or_create_coordinator,
 )
+from coordination.baseline import Trigger
 from coordination.drain_control import DrainControl, DrainStatus, Relauncher
 from coordination.engine import CoordinatorCore
 from coordination.hosts import Host
 from coordination.journal import open_journal
 from coordination.membership import KindMismatch
-from coordination.metrics import TRIGGERS, CoordinatorMetrics, ray_sink
+from coordination.metrics import CoordinatorMetrics, ray_sink
+from coordination.options import CheckpointOptions
 from coordination.order import Member
 from coordination.periodic import DEFAULT_PREFIX, AssemblerScope
 from coordination.periodic_control import PeriodicControl, PeriodicMemory
@@ -302,39 +304,17 @@ class Coordinator:
         await self._ready()
         return await self.core.renew()
 
-    async def checkpoint(
-        self,
-        checkpoint_dir: str,
-        scope: list[EpisodeId] | None = None,
-        resume: bool = True,
-        stop: bool = False,
-        prepare_s: float | None = None,
-        commit_s: float | None = None,
-        strict: bool = False,
-        total_s: float | None = None,
-        trigger: str = "manual",
-        durability: str = "sync",
-    ) -> CheckpointResult:
-        if trigger not in TRIGGERS:
-            raise InvalidRequest(f"trigger must be one of {list(TRIGGERS)}, not {trigger!r}")
+    async def checkpoint(self, options: CheckpointOptions | str) -> CheckpointResult:
+        """`options`: the checkpoint's (the engine checks them), or only its
+        directory (every other option as `CheckpointOptions` defaults it)."""
+        if isinstance(options, str):
+            options = CheckpointOptions(checkpoint_dir=options)
         await self._ready(discover=True)
         # Before anyone is paused: a location that cannot be written is refused
         # (unless a checkpoint is open: that refusal needs no storage).
         if self.core.open is None:
-            await writable(checkpoint_dir)
-        return await self.core.checkpoint(
-            checkpoint_dir,
-            scope,
-            resume=resume,
-            stop=stop,
-            strict=strict,
-            prepare_s=prepare_s,
-            commit_s=commit_s,
-            scope_source=self.scope_source,
-            total_s=total_s,
-            trigger=trigger,
-            durability=durability,
-        )
+            await writable(options.checkpoint_dir)
+        return await self.core.checkpoint(options, scope_source=self.scope_source)
 
     async def durable(self, checkpoint_id: str) -> DurableResult:
         """An asynchronous checkpoint once its Gym manifest is written."""
@@ -415,7 +395,8 @@ class Coordinator:
         await writable(root)  # the root: probing `where` would leave a folder if prepare fails
         await self._ready(discover=True)
         return await self.core.checkpoint(
-            where, None, scope_source=self.scope_source, trigger="periodic"
+            CheckpointOptions(checkpoint_dir=where, trigger=Trigger.PERIODIC.value),
+            scope_source=self.scope_source,
         )
 
     # --- Ray node drains (coordination.drain_control) ---------------------------

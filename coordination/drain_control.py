@@ -43,6 +43,7 @@ from coordination.drain import (
     RayDrainSource,
 )
 from coordination.hosts import RayHost
+from coordination.options import CheckpointOptions
 from coordination.periodic import DEFAULT_PREFIX
 from coordination.signal_budget import Budget
 from ray_ckpt.errors import CheckpointConflict, InvalidRequest
@@ -89,17 +90,17 @@ class CoordinatorDrainActions:
         self.restored = {}
         c = self.coordinator
         await c._ready(discover=True)
-        return await c.core.checkpoint(
-            location,
-            None,
+        # Kept open (resume=False): the hosts move before anyone resumes.
+        options = CheckpointOptions(
+            checkpoint_dir=location,
             resume=False,
             stop=True,
             prepare_s=budget.prepare_s,
             commit_s=budget.commit_s,
-            scope_source=c.scope_source,
             total_s=budget.total_s,
             trigger=Trigger.DRAIN.value,
         )
+        return await c.core.checkpoint(options, scope_source=c.scope_source)
 
     async def relaunch(self, hosts: list[str], avoid: list[str]) -> dict[str, str]:
         try:

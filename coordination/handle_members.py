@@ -1,85 +1,64 @@
 """The handle's membership and status calls (`CoordinatorHandle` inherits them):
 registering participants and the trainer's and assembler's pause targets,
-discovery, status and ping, each with its async twin."""
+discovery, status and ping, each with its async twin (`coordination.remote.twins`)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Any
 
+from coordination.remote import Call, CoordinatorCalls, twins
 from coordination.results import CoordinatorStatus
 
 
 class MemberCalls:
-    _sync: Callable[..., Any]
-    _async: Callable[..., Awaitable[Any]]
+    _calls: CoordinatorCalls
 
-    def status(self) -> CoordinatorStatus:
-        res: CoordinatorStatus = self._sync("status")
-        return res
+    def _status(self) -> Call[CoordinatorStatus]:
+        return Call("status")
 
-    async def astatus(self) -> CoordinatorStatus:
-        res: CoordinatorStatus = await self._async("status")
-        return res
+    status, astatus = twins(_status)
 
-    def register_actor(self, kind: str, name: str, handle: Any = None) -> str:
-        key: str = self._sync("register_actor", kind, name, handle)
-        return key
+    def _register_actor(self, kind: str, name: str, handle: Any = None) -> Call[str]:
+        return Call("register_actor", kind, name, handle)
 
-    async def aregister_actor(self, kind: str, name: str, handle: Any = None) -> str:
-        key: str = await self._async("register_actor", kind, name, handle)
-        return key
+    register_actor, aregister_actor = twins(_register_actor)
 
-    def register_http(self, kind: str, name: str, url: str, token: str, **pool: int) -> str:
-        key: str = self._sync("register_http", kind, name, url, token, **pool)
-        return key
+    def _register_http(
+        self, /, kind: str, name: str, url: str, token: str, **pool: int
+    ) -> Call[str]:
+        return Call("register_http", kind, name, url, token, **pool)
 
-    async def aregister_http(self, kind: str, name: str, url: str, token: str, **pool: int) -> str:
-        key: str = await self._async("register_http", kind, name, url, token, **pool)
-        return key
+    register_http, aregister_http = twins(_register_http)
 
-    def discover_http(
-        self, servers: list[tuple[str, str, str]], token: str, **pool: int
-    ) -> dict[str, list[str]]:
+    def _discover_http(
+        self, /, servers: list[tuple[str, str, str]], token: str, **pool: int
+    ) -> Call[dict[str, list[str]]]:
         """Register the `(kind, name, url)` servers that are participants; a 404
         on status means "not a participant" (listed under "skipped")."""
-        found: dict[str, list[str]] = self._sync("discover_http", servers, token, **pool)
-        return found
+        return Call("discover_http", servers, token, **pool)
 
-    async def adiscover_http(
-        self, servers: list[tuple[str, str, str]], token: str, **pool: int
-    ) -> dict[str, list[str]]:
-        found: dict[str, list[str]] = await self._async("discover_http", servers, token, **pool)
-        return found
+    discover_http, adiscover_http = twins(_discover_http)
 
-    def register_trainer(self, handle: Any, **options: Any) -> None:
+    def _register_trainer(self, /, handle: Any, **options: Any) -> Call[None]:
         """`options`: pause_method, resume_method, pass_args, mode ("full"|"barrier")."""
-        self._sync("register_pause", "trainer", handle, **options)
+        return Call("register_pause", "trainer", handle, **options)
 
-    async def aregister_trainer(self, handle: Any, **options: Any) -> None:
-        await self._async("register_pause", "trainer", handle, **options)
+    register_trainer, aregister_trainer = twins(_register_trainer)
 
-    def register_assembler(self, handle: Any, **options: Any) -> None:
+    def _register_assembler(self, /, handle: Any, **options: Any) -> Call[None]:
         """`options`: as `register_trainer`'s, plus scope_method (the method
         returning the episodes in flight: the scope of a checkpoint naming none)."""
-        self._sync("register_pause", "assembler", handle, **options)
+        return Call("register_pause", "assembler", handle, **options)
 
-    async def aregister_assembler(self, handle: Any, **options: Any) -> None:
-        await self._async("register_pause", "assembler", handle, **options)
+    register_assembler, aregister_assembler = twins(_register_assembler)
 
-    def discover(self) -> list[str]:
-        keys: list[str] = self._sync("discover", refresh=True)
-        return keys
+    def _discover(self) -> Call[list[str]]:
+        return Call("discover", refresh=True)
 
-    async def adiscover(self) -> list[str]:
-        keys: list[str] = await self._async("discover", refresh=True)
-        return keys
+    discover, adiscover = twins(_discover)
 
-    def ping(self) -> str | None:
+    def _ping(self) -> Call[str | None]:
         """Wait until the coordinator is up (and has recovered)."""
-        res: str | None = self._sync("ping")
-        return res
+        return Call("ping")
 
-    async def aping(self) -> str | None:
-        res: str | None = await self._async("ping")
-        return res
+    ping, aping = twins(_ping)

@@ -5,35 +5,28 @@ trainer's data store committed, each with its async twin
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from collections.abc import Iterable
 
 from coordination.receipts import AckResult, CollectResult, ReceiptLike, receipt_list
+from coordination.remote import Call, CoordinatorCalls, twins
 
 
 class ReceiptCalls:
-    _sync: Callable[..., Any]
-    _async: Callable[..., Awaitable[Any]]
+    _calls: CoordinatorCalls
 
-    def collect(self, *, deadline_s: float | None = None) -> CollectResult:
+    def _collect(self, *, deadline_s: float | None = None) -> Call[CollectResult]:
         """Every finished, unacknowledged result (`.results`: participant,
         receipt, result), e.g. after a restore: the replies a crash lost."""
-        res: CollectResult = self._sync("collect", deadline_s)
-        return res
+        return Call("collect", deadline_s)
 
-    async def acollect(self, *, deadline_s: float | None = None) -> CollectResult:
-        res: CollectResult = await self._async("collect", deadline_s)
-        return res
+    collect, acollect = twins(_collect)
 
-    def ack(self, receipts: Iterable[ReceiptLike], *, deadline_s: float | None = None) -> AckResult:
+    def _ack(
+        self, receipts: Iterable[ReceiptLike], *, deadline_s: float | None = None
+    ) -> Call[AckResult]:
         """Free these results everywhere (`Receipt`s or the `receipt` dicts of
         `/run` replies); idempotent; a receipt no environment participant
         knows refuses the call (`UnknownReceipt`) and nothing is acknowledged."""
-        res: AckResult = self._sync("ack", receipt_list(receipts), deadline_s)
-        return res
+        return Call("ack", receipt_list(receipts), deadline_s)
 
-    async def aack(
-        self, receipts: Iterable[ReceiptLike], *, deadline_s: float | None = None
-    ) -> AckResult:
-        res: AckResult = await self._async("ack", receipt_list(receipts), deadline_s)
-        return res
+    ack, aack = twins(_ack)

@@ -37,3 +37,17 @@ def test_every_phase_call_takes_a_deadline() -> None:
         for variant in (name, f"a{name}"):
             params = inspect.signature(methods[variant]).parameters  # type: ignore[arg-type]
             assert "deadline_s" in params, variant
+
+
+def test_each_pair_of_twins_is_one_operation() -> None:
+    """Made from one definition: the same parameters, reply and docstring
+    (an async twin written apart drifts: a parameter or a doc added to one)."""
+    methods = public_methods()
+    pairs = [n for n in methods if f"a{n}" in methods and n not in NO_TWIN]
+    assert "checkpoint" in pairs
+    assert "status" in pairs
+    for name in pairs:
+        sync, twin = methods[name], methods[f"a{name}"]
+        assert inspect.signature(sync) == inspect.signature(twin), name  # type: ignore[arg-type]
+        assert sync.__doc__ == twin.__doc__, name
+        assert sync.__wrapped__ is twin.__wrapped__, name  # type: ignore[attr-defined]

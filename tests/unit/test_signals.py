@@ -13,8 +13,10 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
+from coordination.options import CheckpointOptions
 from coordination.signals import SignalCheckpoint, SignalCheckpointing, cut_budget
 from ray_ckpt.errors import DeadlineExceeded, InvalidRequest
 
@@ -36,8 +38,12 @@ class StandIn:
         if not hold_s:
             self.gate.set()
 
-    async def acheckpoint(self, where: str, scope: Any, **kw: Any) -> Result:
-        self.calls.append({"where": where, "scope": scope, **kw})
+    async def acheckpoint(self, options: CheckpointOptions) -> Result:
+        # As the handle's: one struct, the engine checks it (a valid one here).
+        assert isinstance(options, CheckpointOptions)
+        options.check()
+        where = options.checkpoint_dir
+        self.calls.append({"where": where, **msgspec.structs.asdict(options)})
         if self.hold_s:
             await asyncio.sleep(self.hold_s)
         await self.gate.wait()
@@ -95,6 +101,8 @@ async def test_sigusr1_checkpoints_continues_and_restores_the_handler() -> None:
     assert call["prepare_s"] + call["commit_s"] <= 10 - 1.0 + 1e-9
     # The coordinator is held to the budget too, not only the driver's wait.
     assert call["prepare_s"] + call["commit_s"] < call["total_s"] < 10
+    assert call["trigger"] == "signal"
+    assert call["durability"] == "sync"
     out = sc.outcomes[0]
     assert out.ok
     assert out.trigger == "SIGUSR1"
@@ -145,6 +153,7 @@ async def test_sigterm_stops_and_a_second_one_is_ignored() -> None:
     assert call["stop"] is True
     assert call["resume"] is False
     assert call["scope"] is None
+    assert call["trigger"] == "signal"
     assert stops[0].ok
     assert stops[0].stop
     assert stops[0].joined == []
@@ -173,9 +182,9 @@ import asyncio, os, signal, sys, time
 from coordination.signals import SignalCheckpointing
 
 class Coord:
-    async def acheckpoint(self, where, scope, **kw):
+    async def acheckpoint(self, o):
         await asyncio.sleep(0.2)
-        open(sys.argv[2], "w").write(f"{where} stop={kw['stop']} resume={kw['resume']}")
+        open(sys.argv[2], "w").write(f"{o.checkpoint_dir} stop={o.stop} resume={o.resume}")
         class R: checkpoint_id = "c1"; continued = []; restart = []
         return R()
 
