@@ -1049,6 +1049,10 @@ class Simulation:
             for _ in range(self.scenario.n_actions):
                 await self.step()
                 await self.check()
+                if self.violations:
+                    # Broken already: what follows (a Gym left closed waits out
+                    # its lease) would only slow the report of the first cause.
+                    return
             await self.finish()
         finally:
             await self.abandon_runs()
