@@ -111,7 +111,7 @@ class PauseHost(NamedControlOps):
         from benchmarks.storage_data import build
         from ray_ckpt.control.controller import ParticipantController
         from ray_ckpt.settings import CheckpointSettings
-        from ray_ckpt.storage.record import Record
+        from ray_ckpt.storage.records.record import Record
         from ray_ckpt.storage.seam import FileRecordStore
 
         records = [

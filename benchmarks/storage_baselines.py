@@ -4,7 +4,7 @@
   into the same chunks our writer produces, so the bytes are exactly our
   records file's.  On disk: written and fsynced into a file in the
   location the way our upload writes (whole 4 MB blocks with O_DIRECT from
-  one aligned buffer, the tail buffered: `ray_ckpt.storage.direct_io`, the
+  one aligned buffer, the tail buffered: `ray_ckpt.storage.blobstore.direct_io`, the
   same kernel work minus encoding and hashing), read back with `os.read`.
   For comparison, two buffered `os.write` loops of the same chunks:
   `raw_write_buffered_s` starting each chunk's writeback as it is written,
@@ -32,12 +32,12 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from ray_ckpt.storage import Blobs, WriteStop
-from ray_ckpt.storage.direct_io import StreamWriter
-from ray_ckpt.storage.pipeline import CHUNK
-from ray_ckpt.storage.record import Record
-from ray_ckpt.storage.records_format import FRAME, MAGIC, decode_state
-from ray_ckpt.storage.records_io import encode_records, records_digest
-from ray_ckpt.storage.writeback import start_writeback
+from ray_ckpt.storage.blobstore.direct_io import StreamWriter
+from ray_ckpt.storage.blobstore.writeback import start_writeback
+from ray_ckpt.storage.records.pipeline import CHUNK
+from ray_ckpt.storage.records.record import Record
+from ray_ckpt.storage.records.records_format import FRAME, MAGIC, decode_state
+from ray_ckpt.storage.records.records_io import encode_records, records_digest
 
 
 def encode_chunks(records: list[Record]) -> list[bytes]:
@@ -71,7 +71,7 @@ class DiskRaw:
 
     def write(self, key: str, chunks: list[bytes], *, mode: str = "direct") -> None:
         """`direct`: whole blocks around the page cache, as our upload writes
-        (`ray_ckpt.storage.direct_io`); `hint`: buffered, each chunk's
+        (`ray_ckpt.storage.blobstore.direct_io`); `hint`: buffered, each chunk's
         writeback started; `plain`: buffered, nothing more."""
         path = self.root / key
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from typing import Any
 
 import psutil
 
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 
 MIXES = ("text", "numbers")
 

@@ -33,10 +33,10 @@ from ray_ckpt.storage import (
     read_participant,
     write_participant,
 )
-from ray_ckpt.storage.incremental import ChainPolicy, Previous
-from ray_ckpt.storage.participant_manifest import MANIFEST_NAME, participant_key
-from ray_ckpt.storage.record import Record
-from ray_ckpt.storage.referenced import READERS, ReadBuffers, ranged_reads
+from ray_ckpt.storage.participant.incremental import ChainPolicy, Previous
+from ray_ckpt.storage.participant.participant_manifest import MANIFEST_NAME, participant_key
+from ray_ckpt.storage.participant.referenced import READERS, ReadBuffers, ranged_reads
+from ray_ckpt.storage.records.record import Record
 
 KIND, INSTANCE = "bench", "p0"
 DEPTH = ChainPolicy().full_every - 1

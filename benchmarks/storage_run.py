@@ -38,7 +38,7 @@ from storage_data import PeakRss
 from storage_incremental import Chain, written_mb
 
 from ray_ckpt.storage import Blobs, LocalBlobs, open_location, read_participant, write_participant
-from ray_ckpt.storage.record import Record, check_json
+from ray_ckpt.storage.records.record import Record, check_json
 
 
 class Location:

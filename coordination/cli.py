@@ -39,7 +39,7 @@ def _location(directory: str) -> None:
     """Refuse a relative path or an unknown scheme here, before attaching to
     Ray; whether the location can be reached is checked by the coordinator,
     where the checkpoint runs, before it pauses anyone."""
-    from ray_ckpt.storage.locations import open_location
+    from ray_ckpt.storage.blobstore.locations import open_location
 
     open_location(directory)
 
@@ -254,7 +254,7 @@ def restore(
 def _checkpointed_episodes(directory: str, without_gym_manifest: bool = False) -> list[str]:
     """Every episode any participant's manifest lists (the default restore scope)."""
     from ray_ckpt.storage import load_manifest, read_gym_manifest
-    from ray_ckpt.storage.gym_manifest import has_gym_manifest, read_participant_manifests
+    from ray_ckpt.storage.root.gym_manifest import has_gym_manifest, read_participant_manifests
 
     if not without_gym_manifest or has_gym_manifest(directory):
         gym = read_gym_manifest(directory)
@@ -297,7 +297,7 @@ def retire(rollout: str, attempt: int, address: str, namespace: str, as_json: bo
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def inspect(directory: str, as_json: bool) -> None:
     """Verify and summarise a checkpoint directory (no Ray needed)."""
-    from ray_ckpt.storage.inspect import inspect_checkpoint, render_inspect
+    from coordination.cli_inspect import inspect_checkpoint, render_inspect
 
     report = inspect_checkpoint(directory)
     click.echo(msgspec.json.encode(report).decode() if as_json else render_inspect(report))

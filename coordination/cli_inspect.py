@@ -18,10 +18,10 @@ from rich.console import Console
 from rich.table import Table
 
 from ray_ckpt.errors import CheckpointError
-from ray_ckpt.storage.blobs import Blobs
-from ray_ckpt.storage.gym_manifest import GYM_MANIFEST_KEY, verify_checkpoint
-from ray_ckpt.storage.locations import open_location
-from ray_ckpt.storage.participant_manifest import load_manifest
+from ray_ckpt.storage.blobstore.blobs import Blobs
+from ray_ckpt.storage.blobstore.locations import open_location
+from ray_ckpt.storage.participant.participant_manifest import load_manifest
+from ray_ckpt.storage.root.gym_manifest import GYM_MANIFEST_KEY, verify_checkpoint
 
 
 class InspectRow(msgspec.Struct, frozen=True):

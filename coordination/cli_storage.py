@@ -10,7 +10,7 @@ import click
 
 from coordination.cli_output import emit, fail, json_option, size, utc_time
 from ray_ckpt.errors import CheckpointError
-from ray_ckpt.storage.retention import DEFAULT_GRACE_S
+from ray_ckpt.storage.root.retention import DEFAULT_GRACE_S
 
 
 @click.command(name="list")

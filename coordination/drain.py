@@ -56,7 +56,7 @@ from coordination.baseline import Trigger
 from coordination.periodic import DEFAULT_PREFIX, checkpoint_name, error_body
 from coordination.signals import Budget, cut_budget
 from ray_ckpt.errors import DeadlineExceeded
-from ray_ckpt.storage.pointer import join_location
+from ray_ckpt.storage.blobstore.locations import join_location
 
 log = logging.getLogger(__name__)
 

@@ -118,8 +118,8 @@ from ray_ckpt.errors import (
     RestartInScope,
 )
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.storage.gym_manifest import GymManifest
-from ray_ckpt.storage.pointer import split_location
+from ray_ckpt.storage.blobstore.locations import split_location
+from ray_ckpt.storage.root.gym_manifest import GymManifest
 
 log = logging.getLogger(__name__)
 

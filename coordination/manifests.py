@@ -33,8 +33,8 @@ def write_gym_manifest_from_replies(
 def read_listed(checkpoint_dir: str) -> tuple[str | None, set[tuple[str, str]]]:
     from ray_ckpt.errors import InvalidCheckpointState
     from ray_ckpt.storage import open_location, read_gym_manifest
-    from ray_ckpt.storage.blobs import blob_name
-    from ray_ckpt.storage.gym_manifest import GYM_MANIFEST_KEY, has_gym_manifest
+    from ray_ckpt.storage.blobstore.blobs import blob_name
+    from ray_ckpt.storage.root.gym_manifest import GYM_MANIFEST_KEY, has_gym_manifest
 
     blobs = open_location(checkpoint_dir)
     if not has_gym_manifest(blobs):
@@ -53,7 +53,7 @@ def read_listed_or_participants(checkpoint_dir: str) -> tuple[str | None, set[tu
     what NeMo Gym's controller leaves (it writes no Gym manifest), each
     complete and all of one checkpoint ID (`read_participant_manifests`)."""
     from ray_ckpt.storage import open_location
-    from ray_ckpt.storage.gym_manifest import has_gym_manifest, read_participant_manifests
+    from ray_ckpt.storage.root.gym_manifest import has_gym_manifest, read_participant_manifests
 
     blobs = open_location(checkpoint_dir)
     if has_gym_manifest(blobs):

@@ -42,8 +42,8 @@ from coordination.results import CheckpointResult, PeriodicStatus
 from ray_ckpt.clock import Clock
 from ray_ckpt.errors import CheckpointConflict, CheckpointError, DeadlineExceeded, InvalidRequest
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.storage.pointer import join_location
-from ray_ckpt.storage.retention import GcPlan
+from ray_ckpt.storage.blobstore.locations import join_location
+from ray_ckpt.storage.root.retention import GcPlan
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from coordination.periodic import DEFAULT_PREFIX, Checkpoint, PeriodicRunner
 from coordination.results import PeriodicStatus
 from coordination.roots import retain, writable
 from ray_ckpt.clock import Clock
-from ray_ckpt.storage.blobs import BlobMissing
-from ray_ckpt.storage.locations import open_location
+from ray_ckpt.storage.blobstore.blobs import BlobMissing
+from ray_ckpt.storage.blobstore.locations import open_location
 
 log = logging.getLogger(__name__)
 

@@ -37,14 +37,14 @@ from ray_ckpt.errors import (
     InvalidRequest,
 )
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.storage import durable
-from ray_ckpt.storage.catalog import CheckpointEntry, latest_location, scan, scan_one
-from ray_ckpt.storage.gym_manifest import has_gym_manifest, read_gym_manifest
-from ray_ckpt.storage.local_blobs import LocalBlobs
-from ray_ckpt.storage.locations import check_location, open_location
-from ray_ckpt.storage.participant_manifest import GYM, participant_dir
-from ray_ckpt.storage.pointer import split_location, write_latest_for
-from ray_ckpt.storage.retention import DEFAULT_GRACE_S, GcPlan, collect
+from ray_ckpt.storage.blobstore import durable
+from ray_ckpt.storage.blobstore.local_blobs import LocalBlobs
+from ray_ckpt.storage.blobstore.locations import check_location, open_location, split_location
+from ray_ckpt.storage.participant.participant_manifest import GYM, participant_dir
+from ray_ckpt.storage.root.catalog import CheckpointEntry, latest_location, scan, scan_one
+from ray_ckpt.storage.root.gym_manifest import has_gym_manifest, read_gym_manifest
+from ray_ckpt.storage.root.pointer import write_latest_for
+from ray_ckpt.storage.root.retention import DEFAULT_GRACE_S, GcPlan, collect
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from ray_ckpt.control.wire import PrepareReport
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.steps import EpisodeSteps
-from ray_ckpt.storage.record import Record, check_json
+from ray_ckpt.storage.records.record import Record, check_json
 
 SESSION_FIELDS = frozenset({"step", "turn", "done", "messages", "turns", "result"})
 

@@ -46,7 +46,7 @@ from ray_ckpt.identity import EpisodeId, is_result_key
 from ray_ckpt.steps import Episode, EpisodeSteps, restart_from_headers, verify_mode_from_headers
 from ray_ckpt.steps.participant import EpisodeParticipant
 from ray_ckpt.steps.receipts import ResultReceipts
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 
 
 class EnvironmentParticipant(EpisodeParticipant):

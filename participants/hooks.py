@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 
 T = TypeVar("T")
 

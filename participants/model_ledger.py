@@ -21,7 +21,7 @@ from participants.model_calls import Call, Cut
 from ray_ckpt.control.wire import to_builtins
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 
 Row = dict[str, Any]
 

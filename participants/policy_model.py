@@ -53,7 +53,7 @@ from ray_ckpt.control.retire_marks import retire_scope
 from ray_ckpt.control.wire import Blocker, PrepareReport
 from ray_ckpt.errors import AdmissionClosed, InvalidRequest, StaleAttempt
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 
 
 def _covers_rollouts(rollout_ids: Iterable[str]) -> Callable[[EpisodeId], bool]:

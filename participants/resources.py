@@ -31,7 +31,7 @@ from ray_ckpt.control.retire_marks import retire_scope
 from ray_ckpt.control.wire import Blocker, PrepareReport
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.storage.record import Record, check_json
+from ray_ckpt.storage.records.record import Record, check_json
 
 
 class ResourcesMode(StrEnum):

@@ -23,7 +23,7 @@ from ray_ckpt.identity import EpisodeId, parse_rollout_path, rollout_path
 from ray_ckpt.settings import CheckpointSettings, load_settings, settings_from_dict
 from ray_ckpt.steps import EpisodeSteps, StepMode
 from ray_ckpt.steps.participant import EpisodeParticipant
-from ray_ckpt.storage.record import Record, check_json
+from ray_ckpt.storage.records.record import Record, check_json
 
 __all__ = [
     "CHECKPOINT_ROUTE_PREFIX",

@@ -46,7 +46,7 @@ class CheckpointSettings(BaseModel):
     global_aiohttp_control_connector_limit_per_host: int = Field(default=8, gt=0)
     # Largest control request body accepted, in bytes (a commit scope can be long).
     max_control_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
-    # Incremental checkpoints (`ray_ckpt.storage.incremental`): a full rewrite
+    # Incremental checkpoints (`ray_ckpt.storage.participant.incremental`): a full rewrite
     # every this many checkpoints, or when the referenced bytes are below this
     # fraction of the earlier files they point into.  1 turns references off.
     incremental_full_every: int = Field(default=8, ge=1)

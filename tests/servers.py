@@ -31,7 +31,7 @@ from ray_ckpt.errors import AdmissionClosed, CheckpointError
 from ray_ckpt.hosting.serving import bind_socket, serve_app, socket_address
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.settings import CheckpointSettings
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 
 if TYPE_CHECKING:
     from ray_ckpt.control.controller import ParticipantController

@@ -39,9 +39,8 @@ from participants.fleet import launch_fleet
 from participants.rollout import result_digest
 from ray_ckpt.control.client import data_session
 from ray_ckpt.errors import InvalidCheckpointState
-from ray_ckpt.storage.blobs import BlobMissing
-from ray_ckpt.storage.locations import open_location
-from ray_ckpt.storage.pointer import split_location
+from ray_ckpt.storage.blobstore.blobs import BlobMissing
+from ray_ckpt.storage.blobstore.locations import open_location, split_location
 
 DRIVER_KEY = "demo/driver.json"
 EXIT_STOPPED = 128 + signal.SIGTERM
@@ -221,7 +220,7 @@ def _stop_signal(joined: list[str]) -> str | None:
 
 
 def _latest_location(root: str) -> str:
-    from ray_ckpt.storage.catalog import latest_location
+    from ray_ckpt.storage.root.catalog import latest_location
 
     return latest_location(root, open_location(root))[0]
 

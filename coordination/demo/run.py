@@ -402,7 +402,7 @@ def demo_cli(as_json: bool, namespace: str | None, **kwargs: Any) -> None:
 def _check_root(root: str, *, write: bool) -> None:
     """A root that cannot be used is refused before Ray starts (nothing changes)."""
     from ray_ckpt.errors import CheckpointError
-    from ray_ckpt.storage.locations import check_location
+    from ray_ckpt.storage.blobstore.locations import check_location
 
     try:
         check_location(root, for_write=write)

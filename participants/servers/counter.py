@@ -29,7 +29,7 @@ from ray_ckpt.control.wire import Blocker, PrepareReport
 from ray_ckpt.errors import AdmissionClosed, InvalidRequest
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.settings import CheckpointSettings
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 
 MAX_WORK = 10_000_000
 MAX_HOLD_S = 60.0

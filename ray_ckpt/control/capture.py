@@ -50,7 +50,7 @@ from typing import Any, NoReturn, overload
 
 import msgspec
 
-from ray_ckpt.storage.record import Record, check_json, plain_size
+from ray_ckpt.storage.records.record import Record, check_json, plain_size
 
 
 class NotPlain(Exception):

@@ -36,7 +36,7 @@ from ray_ckpt.errors import (
     RestartInScope,
 )
 from ray_ckpt.identity import EpisodeId, is_result_key
-from ray_ckpt.storage.record import Record, check_json
+from ray_ckpt.storage.records.record import Record, check_json
 from ray_ckpt.storage.seam import RecordStore, StopHandle
 
 # The controller's logger, not this module's: moving the code out of the

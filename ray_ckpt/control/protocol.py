@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 
 from ray_ckpt.control.wire import PrepareReport
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 
 KINDS = ("environment", "model", "agent", "resources")
 

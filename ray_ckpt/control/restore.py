@@ -52,7 +52,7 @@ from ray_ckpt.errors import (
     RestoredStateLost,
 )
 from ray_ckpt.identity import EpisodeId, is_result_key
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 from ray_ckpt.storage.seam import RecordStore
 
 # The controller's logger, not this module's: moving the code out of the

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from ray_ckpt.control.wire import PrepareReport
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.steps import EpisodeSteps
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 
 
 class EpisodeParticipant:

@@ -21,7 +21,7 @@ from ray_ckpt.errors import InvalidCheckpointState, InvalidPhase, InvalidRequest
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.steps.episode import Episode, Restored
 from ray_ckpt.steps.modes import BLOCKING, EpisodeState
-from ray_ckpt.storage.record import Record, check_json
+from ray_ckpt.storage.records.record import Record, check_json
 
 
 class EpisodeNotHeld(InvalidPhase):

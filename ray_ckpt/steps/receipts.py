@@ -28,7 +28,7 @@ import orjson
 from ray_ckpt.control.wire import Receipt
 from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest, UnknownReceipt
 from ray_ckpt.identity import EpisodeId, episode_of_result_key, result_key
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 
 DEFAULT_REMEMBER = 65_536
 # How many receipts an error message names before it says "and N more".

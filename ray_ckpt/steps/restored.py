@@ -20,7 +20,7 @@ from ray_ckpt.identity import EpisodeId
 from ray_ckpt.steps.attempts import AttemptIndex
 from ray_ckpt.steps.episode import Episode, Restored
 from ray_ckpt.steps.persist import EpisodeNotHeld, stage_records
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 
 Live = Mapping[EpisodeId, Episode]
 

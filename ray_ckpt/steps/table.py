@@ -31,7 +31,7 @@ from ray_ckpt.steps.modes import BLOCKING, EpisodeState
 from ray_ckpt.steps.persist import build_report, export_records
 from ray_ckpt.steps.restored import RestoredEntries
 from ray_ckpt.steps.retire import retire_attempts
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 
 log = logging.getLogger(__name__)
 

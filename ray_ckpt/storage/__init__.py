@@ -1,15 +1,36 @@
 """Checkpoint storage: records files, participant manifests, the Gym manifest.
 
-Everything goes through a `Blobs` (`blobs.py`) that `open_location` makes from
-a location: an absolute path or `file://` URI (`LocalBlobs`), or `s3://` /
-`gs://` (`ObjectBlobs`, via obstore).  `check_location` probes one up front.
-A participant's checkpoint may reference unchanged records in its previous
-one's files (`incremental`: `Previous`, `ChainPolicy`).
+Four rooms, each importing only the rooms before it:
+
+- `blobstore` -- bytes and where they live: everything goes through a `Blobs`
+  that `open_location` makes from a location: an absolute path or `file://`
+  URI (`LocalBlobs`), or `s3://` / `gs://` (`ObjectBlobs`, via obstore);
+  `check_location` probes one up front;
+- `records` -- the `Record` unit and the records file format;
+- `participant` -- one participant's files: its records and manifest, which
+  may reference unchanged records in its previous checkpoint's files
+  (`incremental`: `Previous`, `ChainPolicy`);
+- `root` -- the checkpoint root: the Gym manifest, `LATEST`, the catalog,
+  retention.
+
+`seam` (the store the participant controller writes through) stands above
+them all.  The public API is re-exported here.
 """
 
-from ray_ckpt.storage.blobs import BlobInfo, BlobMissing, Blobs, is_temp
-from ray_ckpt.storage.durable import WriteStop
-from ray_ckpt.storage.gym_manifest import (
+from ray_ckpt.storage.blobstore.blobs import BlobInfo, BlobMissing, Blobs, is_temp
+from ray_ckpt.storage.blobstore.durable import WriteStop
+from ray_ckpt.storage.blobstore.local_blobs import LocalBlobs
+from ray_ckpt.storage.blobstore.locations import check_location, open_location
+from ray_ckpt.storage.participant.incremental import ChainPolicy, Previous
+from ray_ckpt.storage.participant.participant_store import (
+    ParticipantManifest,
+    load_manifest,
+    participant_dir,
+    read_participant,
+    write_participant,
+)
+from ray_ckpt.storage.records.records_format import FORMAT
+from ray_ckpt.storage.root.gym_manifest import (
     CheckpointReport,
     GymEntry,
     GymManifest,
@@ -18,17 +39,6 @@ from ray_ckpt.storage.gym_manifest import (
     verify_checkpoint,
     write_gym_manifest,
 )
-from ray_ckpt.storage.incremental import ChainPolicy, Previous
-from ray_ckpt.storage.local_blobs import LocalBlobs
-from ray_ckpt.storage.locations import check_location, open_location
-from ray_ckpt.storage.participant_store import (
-    ParticipantManifest,
-    load_manifest,
-    participant_dir,
-    read_participant,
-    write_participant,
-)
-from ray_ckpt.storage.records_format import FORMAT
 
 __all__ = [
     "FORMAT",

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from ray_ckpt.storage.location import directory_errors
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.blobstore.location_errors import directory_errors
+from ray_ckpt.storage.records.record import Record
 
 _KEEP = 2  # commits remembered per participant as incremental bases
 
@@ -55,12 +55,12 @@ class FileRecordStore:
     any location `open_location` takes: a local path or an object-store URI.
 
     A location that cannot be written or read is a typed error naming it
-    (`ray_ckpt.storage.location`), never a raw `OSError` or a store's own
+    (`ray_ckpt.storage.blobstore.location_errors`), never a raw `OSError` or a store's own
     exception.
 
     Incremental: the store remembers the last checkpoint each participant
     committed through it, and the next write references that one's
-    unchanged records (`ray_ckpt.storage.incremental`) when it is still
+    unchanged records (`ray_ckpt.storage.participant.incremental`) when it is still
     complete (its Gym manifest lists the very manifest written); a new
     process, or a checkpoint that never completed, writes a full one.
     `full_every` and `min_live_fraction` bound the chains (`ChainPolicy`;
@@ -92,7 +92,7 @@ class FileRecordStore:
         stop: StopHandle,
     ) -> Any:
         from ray_ckpt.storage import WriteStop, write_participant
-        from ray_ckpt.storage.incremental import ChainPolicy, Previous
+        from ray_ckpt.storage.participant.incremental import ChainPolicy, Previous
 
         assert isinstance(stop, WriteStop)
         if self._policy is None:
@@ -123,7 +123,7 @@ class FileRecordStore:
         """The newest commit through this store whose checkpoint completed with it."""
         from ray_ckpt.errors import CheckpointError
         from ray_ckpt.storage import open_location, read_gym_manifest
-        from ray_ckpt.storage.gym_manifest import listed_manifest
+        from ray_ckpt.storage.root.gym_manifest import listed_manifest
 
         for prev in self._last.get((kind, instance), []):
             try:
@@ -153,8 +153,8 @@ class FileRecordStore:
         a participant directory from another commit is never installed.
         """
         from ray_ckpt.storage import load_manifest, open_location, read_gym_manifest
-        from ray_ckpt.storage.gym_manifest import has_gym_manifest, listed_manifest
-        from ray_ckpt.storage.participant_store import read_records
+        from ray_ckpt.storage.participant.participant_store import read_records
+        from ray_ckpt.storage.root.gym_manifest import has_gym_manifest, listed_manifest
 
         with directory_errors(checkpoint_dir, "read"):
             blobs = open_location(checkpoint_dir)

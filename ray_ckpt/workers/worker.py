@@ -32,7 +32,7 @@ from ray_ckpt.hosting.serving import bind_socket, socket_address
 from ray_ckpt.hosting.spec import GymServer, load_server
 from ray_ckpt.identity import EpisodeId, episode_of_result_key, is_result_key
 from ray_ckpt.steps.receipts import ResultReceipts
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 from ray_ckpt.workers.channel import Channel
 from ray_ckpt.workers.config import WorkerConfig, decode_config
 from ray_ckpt.workers.front import WorkerFront

@@ -71,7 +71,7 @@ from ray_ckpt.errors import CoordinationFailed, ParticipantUnavailable
 from ray_ckpt.hosting.spec import import_factory
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage import load_manifest, verify_checkpoint
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 from ray_ckpt.storage.seam import FileRecordStore
 from tests.e2e.conftest import (
     E2E,

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from participants.nemo_gym import AttributesCodec, Codecs
 from ray_ckpt.errors import InvalidCheckpointState
-from ray_ckpt.storage.record import check_json
+from ray_ckpt.storage.records.record import check_json
 
 
 @dataclasses.dataclass

@@ -10,7 +10,7 @@ import pytest
 
 from participants.nemo_gym import Codecs
 from ray_ckpt.errors import InvalidCheckpointState
-from ray_ckpt.storage.record import check_json
+from ray_ckpt.storage.records.record import check_json
 
 pytestmark = pytest.mark.nemo_gym
 

@@ -16,8 +16,8 @@ from coordination import connect
 from coordination.handle import CoordinatorHandle
 from coordination.results import PeriodicStatus
 from ray_ckpt.errors import CheckpointConflict, InvalidRequest, ParticipantUnavailable
-from ray_ckpt.storage.locations import open_location
-from ray_ckpt.storage.pointer import read_latest
+from ray_ckpt.storage.blobstore.locations import open_location
+from ray_ckpt.storage.root.pointer import read_latest
 from tests.ray.coord_actors import RecordingHost, start_host
 
 pytestmark = pytest.mark.ray

@@ -13,12 +13,12 @@ import aiohttp
 import pytest
 from pydantic import SecretStr
 
+from coordination.cli_inspect import inspect_checkpoint
 from coordination.handle import connect
 from ray_ckpt.hosting.host import start_host, stop_host
 from ray_ckpt.hosting.spec import ServerSpec, settings_dict
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.storage import read_gym_manifest
-from ray_ckpt.storage.inspect import inspect_checkpoint
 from tests.servers import SETTINGS_ENV
 
 pytestmark = pytest.mark.ray

@@ -11,9 +11,9 @@ import os
 import pathlib
 
 from ray_ckpt.storage import write_gym_manifest, write_participant
-from ray_ckpt.storage.locations import open_location
-from ray_ckpt.storage.pointer import write_latest
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.blobstore.locations import open_location
+from ray_ckpt.storage.records.record import Record
+from ray_ckpt.storage.root.pointer import write_latest
 
 PARTS = (("agent", "a0"), ("environment", "e0"))
 

@@ -12,7 +12,7 @@ import msgspec
 from ray_ckpt.control.wire import Blocker, PrepareReport
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 
 
 class FakeParticipant:

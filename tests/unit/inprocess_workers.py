@@ -69,7 +69,7 @@ from ray_ckpt.identity import EpisodeId
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.steps import EpisodeSteps
 from ray_ckpt.steps.receipts import ResultReceipts
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 from ray_ckpt.workers.aggregate import WorkersParticipant
 from ray_ckpt.workers.channel import MESSAGE_TIMEOUT_S, ChannelClosed
 from ray_ckpt.workers.config import WorkerConfig

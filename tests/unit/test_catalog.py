@@ -7,15 +7,13 @@ import pathlib
 import pytest
 
 from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest
-from ray_ckpt.storage import catalog
-from ray_ckpt.storage.catalog import latest_location, needed_keys, pick_latest, scan, scan_one
-from ray_ckpt.storage.locations import open_location
-from ray_ckpt.storage.pointer import (
+from ray_ckpt.storage.blobstore.locations import join_location, open_location, split_location
+from ray_ckpt.storage.root import catalog
+from ray_ckpt.storage.root.catalog import latest_location, needed_keys, pick_latest, scan, scan_one
+from ray_ckpt.storage.root.pointer import (
     LATEST_KEY,
     LatestPointer,
-    join_location,
     read_latest,
-    split_location,
     write_latest,
     write_latest_for,
 )

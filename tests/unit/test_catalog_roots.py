@@ -14,10 +14,10 @@ from coordination import roots
 from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage import read_gym_manifest, write_participant
-from ray_ckpt.storage.catalog import scan
-from ray_ckpt.storage.locations import open_location
-from ray_ckpt.storage.pointer import LatestPointer, read_latest
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.blobstore.locations import open_location
+from ray_ckpt.storage.records.record import Record
+from ray_ckpt.storage.root.catalog import scan
+from ray_ckpt.storage.root.pointer import LatestPointer, read_latest
 from tests.unit.catalog_fixtures import commit
 
 T0 = 1_700_000_000.0

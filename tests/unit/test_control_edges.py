@@ -34,7 +34,7 @@ from ray_ckpt.errors import (
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.storage import read_participant
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 from ray_ckpt.storage.seam import FileRecordStore
 from tests.unit.coord_fleet import make_fleet
 from tests.unit.fakes import FakeParticipant

@@ -199,7 +199,7 @@ async def test_no_change_to_nested_live_state_after_the_capture_reaches_the_file
     """The capture copies containers and shares leaves: every way of changing
     a nested container afterwards (in place, through shared references, key
     order) must leave the written bytes as they were at the capture."""
-    from ray_ckpt.storage.records_format import StateEncoder
+    from ray_ckpt.storage.records.records_format import StateEncoder
 
     c, p, store = make()
     shared = {"deep": [1, {"x": "y"}]}

@@ -32,8 +32,9 @@ from ray_ckpt.errors import (
 )
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage import open_location
-from ray_ckpt.storage.gym_manifest import read_gym_manifest, verify_checkpoint
-from ray_ckpt.storage.pointer import join_location, read_latest
+from ray_ckpt.storage.blobstore.locations import join_location
+from ray_ckpt.storage.root.gym_manifest import read_gym_manifest, verify_checkpoint
+from ray_ckpt.storage.root.pointer import read_latest
 from ray_ckpt.storage.seam import FileRecordStore
 from tests.s3_server import local_or_s3_root, s3_endpoint
 from tests.unit.coord_fleet import Fleet, make_fleet
@@ -160,8 +161,6 @@ async def test_a_restore_waits_for_the_pending_publish() -> None:
 
 
 # --- 2. a retry into the same directory ---------------------------------------------
-
-
 
 
 def _file_fleet() -> Fleet:

@@ -17,8 +17,8 @@ import pytest
 
 from ray_ckpt.control.capture import Audited, NotPlain, audit, capture, copy_state
 from ray_ckpt.errors import InvalidCheckpointState
-from ray_ckpt.storage.record import MAX_STATE_DEPTH, Record, check_json
-from ray_ckpt.storage.records_format import StateEncoder
+from ray_ckpt.storage.records.record import MAX_STATE_DEPTH, Record, check_json
+from ray_ckpt.storage.records.records_format import StateEncoder
 
 ENC = StateEncoder()
 

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ray_ckpt.errors import InvalidCheckpointState, Reason
-from ray_ckpt.storage.record import MAX_STATE_DEPTH, check_json
-from ray_ckpt.storage.records_format import StateEncoder, decode_state
+from ray_ckpt.storage.records.record import MAX_STATE_DEPTH, check_json
+from ray_ckpt.storage.records.records_format import StateEncoder, decode_state
 
 
 class Color(enum.Enum):

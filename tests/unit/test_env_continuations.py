@@ -21,7 +21,7 @@ from participants.local import start_local_fleet
 from participants.rollout import make_tasks, run_episode
 from participants.servers.environment import EnvironmentServer
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 from tests.unit.conftest import Serve
 from tests.unit.helpers import body, until
 

@@ -15,7 +15,7 @@ from ray_ckpt.identity import EpisodeId
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.steps import EpisodeSteps
 from ray_ckpt.steps.participant import EpisodeParticipant
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 
 T0 = 1_000_000.0
 

@@ -72,7 +72,7 @@ def test_id_pattern_is_matched_in_full_everywhere() -> None:
     from ray_ckpt.control.wire import decode_request
     from ray_ckpt.errors import InvalidCheckpointState
     from ray_ckpt.identity import RolloutIdStr
-    from ray_ckpt.storage.participant_store import check_name
+    from ray_ckpt.storage.participant.participant_store import check_name
 
     with pytest.raises(msgspec.ValidationError):
         msgspec.json.decode(b'"abc\\n"', type=RolloutIdStr)

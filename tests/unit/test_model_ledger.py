@@ -25,7 +25,7 @@ from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.errors import InvalidRequest
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.settings import CheckpointSettings
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 from tests.unit.helpers import body
 
 EMPTY = {

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
+from coordination.cli_inspect import inspect_checkpoint
 from coordination.manifests import write_gym_manifest_from_replies
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.storage import read_gym_manifest, verify_checkpoint, write_participant
-from ray_ckpt.storage.inspect import inspect_checkpoint
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 
 
 def nemo_commit(

@@ -199,7 +199,7 @@ async def test_the_cli_default_scope_without_a_gym_manifest(
     from coordination.cli import _checkpointed_episodes
     from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest
     from ray_ckpt.storage import write_participant
-    from ray_ckpt.storage.record import Record
+    from ray_ckpt.storage.records.record import Record
 
     nemo = tmp_path / "nemo"
     await nemo_controller_checkpoint(await fleet.start(), nemo)

@@ -16,7 +16,7 @@ from ray_ckpt.errors import AdmissionClosed, InvalidCheckpointState
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.steps import RESTART_HEADER, VERIFY_HEADER
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 
 R, R1, S = EpisodeId("r"), EpisodeId("r", 1), EpisodeId("s")
 

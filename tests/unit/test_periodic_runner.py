@@ -12,7 +12,7 @@ from coordination.results import CheckpointResult
 from ray_ckpt.clock import ManualClock
 from ray_ckpt.errors import CheckpointConflict, CoordinationFailed, InvalidRequest
 from ray_ckpt.identity import EpisodeId
-from ray_ckpt.storage.retention import GcPlan, PlanRow
+from ray_ckpt.storage.root.retention import GcPlan, PlanRow
 
 T0 = 1_780_000_000.0
 

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from ray_ckpt.storage.pipeline import ChunkWriter
+from ray_ckpt.storage.records.pipeline import ChunkWriter
 
 
 def _recording() -> tuple[list[tuple[bytes, str]], ChunkWriter]:

@@ -9,7 +9,7 @@ import pathlib
 import pytest
 
 from coordination.roots import precreate_participant_dirs
-from ray_ckpt.storage import durable
+from ray_ckpt.storage.blobstore import durable
 
 
 def test_folders_are_made_with_one_fsync_per_parent(

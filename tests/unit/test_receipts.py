@@ -15,7 +15,7 @@ from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest, UnknownRecei
 from ray_ckpt.identity import EpisodeId, check_record_key, result_key
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.steps.receipts import ResultReceipts, result_digest
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 
 R1 = {"task_id": "t1", "reward": 1.0, "steps": [1, 2]}
 R2 = {"task_id": "t2", "reward": 0.0, "steps": []}

@@ -32,7 +32,7 @@ from ray_ckpt.steps import EpisodeSteps
 from ray_ckpt.steps.participant import EpisodeParticipant
 from ray_ckpt.steps.receipts import ResultReceipts
 from ray_ckpt.storage import write_gym_manifest
-from ray_ckpt.storage.participant_manifest import ParticipantManifest
+from ray_ckpt.storage.participant.participant_manifest import ParticipantManifest
 from tests.unit.conftest import Serve
 from tests.unit.helpers import body
 

@@ -14,7 +14,7 @@ import pathlib
 from coordination.roots import list_root, restore_target
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage import write_gym_manifest, write_participant
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 
 
 def _checkpoint_with_a_held_result(root: pathlib.Path) -> pathlib.Path:

@@ -9,13 +9,13 @@ from collections.abc import Sequence
 import pytest
 
 from ray_ckpt.errors import InvalidRequest
-from ray_ckpt.storage import catalog
-from ray_ckpt.storage.blobs import Blobs, temp_key
-from ray_ckpt.storage.catalog import needed_keys, scan
-from ray_ckpt.storage.local_blobs import LocalBlobs
-from ray_ckpt.storage.locations import open_location
-from ray_ckpt.storage.pointer import write_latest
-from ray_ckpt.storage.retention import collect, plan_retention
+from ray_ckpt.storage.blobstore.blobs import Blobs, temp_key
+from ray_ckpt.storage.blobstore.local_blobs import LocalBlobs
+from ray_ckpt.storage.blobstore.locations import open_location
+from ray_ckpt.storage.root import catalog
+from ray_ckpt.storage.root.catalog import needed_keys, scan
+from ray_ckpt.storage.root.pointer import write_latest
+from ray_ckpt.storage.root.retention import collect, plan_retention
 from tests.unit.catalog_fixtures import commit, files
 
 T0 = 1_700_000_000.0

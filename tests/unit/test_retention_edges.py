@@ -10,22 +10,20 @@ import time
 import msgspec
 
 from ray_ckpt.storage import open_location, read_participant, write_gym_manifest, write_participant
-from ray_ckpt.storage.blobs import temp_key
-from ray_ckpt.storage.catalog import pick_latest, scan
-from ray_ckpt.storage.gym_manifest import read_gym_manifest
-from ray_ckpt.storage.incremental import Previous
-from ray_ckpt.storage.participant_manifest import ParticipantManifest, participant_key
-from ray_ckpt.storage.pointer import join_location
-from ray_ckpt.storage.record import Record
-from ray_ckpt.storage.retention import collect
+from ray_ckpt.storage.blobstore.blobs import temp_key
+from ray_ckpt.storage.blobstore.locations import join_location
+from ray_ckpt.storage.participant.incremental import Previous
+from ray_ckpt.storage.participant.participant_manifest import ParticipantManifest, participant_key
+from ray_ckpt.storage.records.record import Record
+from ray_ckpt.storage.root.catalog import pick_latest, scan
+from ray_ckpt.storage.root.gym_manifest import read_gym_manifest
+from ray_ckpt.storage.root.retention import collect
 from tests.s3_server import local_or_s3_root, s3_endpoint
 from tests.unit.catalog_fixtures import date
 
 __all__ = ["local_or_s3_root", "s3_endpoint"]  # the fixtures, imported for pytest
 
 GRACE = 3600.0
-
-
 
 
 def records(gen: int, changed: int = 1) -> list[Record]:

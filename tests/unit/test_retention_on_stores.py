@@ -10,15 +10,14 @@ import msgspec
 from coordination import roots
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage import open_location, write_participant
-from ray_ckpt.storage.catalog import latest_location, scan
-from ray_ckpt.storage.pointer import join_location, read_latest
-from ray_ckpt.storage.record import Record
-from ray_ckpt.storage.retention import collect
+from ray_ckpt.storage.blobstore.locations import join_location
+from ray_ckpt.storage.records.record import Record
+from ray_ckpt.storage.root.catalog import latest_location, scan
+from ray_ckpt.storage.root.pointer import read_latest
+from ray_ckpt.storage.root.retention import collect
 from tests.s3_server import local_or_s3_root, s3_endpoint
 
 __all__ = ["local_or_s3_root", "s3_endpoint"]  # the fixtures, imported for pytest
-
-
 
 
 def checkpoint(root: str, name: str, *, episodes: int = 2, complete: bool = True) -> None:

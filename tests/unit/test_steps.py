@@ -22,7 +22,7 @@ from ray_ckpt.errors import (
 )
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.steps import EpisodeState, EpisodeSteps, EpisodeTimeout, StepMode
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 from tests.unit.helpers import until
 
 R1 = EpisodeId("r1")

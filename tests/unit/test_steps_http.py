@@ -30,7 +30,7 @@ from ray_ckpt.steps import (
     seed_session_headers,
     verify_mode_from_headers,
 )
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 from tests.unit.conftest import Serve
 from tests.unit.helpers import until
 

@@ -10,7 +10,7 @@ from ray_ckpt.clock import ManualClock
 from ray_ckpt.errors import StaleAttempt
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.steps import EpisodeState, EpisodeSteps
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 from tests.unit.helpers import until
 
 

@@ -11,10 +11,10 @@ import pathlib
 import pytest
 
 from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest, ParticipantUnavailable
-from ray_ckpt.storage.blobs import BlobMissing, Blobs, check_key, is_temp, temp_key
-from ray_ckpt.storage.local_blobs import LocalBlobs
-from ray_ckpt.storage.locations import check_location, open_location
-from ray_ckpt.storage.object_blobs import PART, ObjectBlobs
+from ray_ckpt.storage.blobstore.blobs import BlobMissing, Blobs, check_key, is_temp, temp_key
+from ray_ckpt.storage.blobstore.local_blobs import LocalBlobs
+from ray_ckpt.storage.blobstore.locations import check_location, open_location
+from ray_ckpt.storage.blobstore.object_blobs import PART, ObjectBlobs
 from tests.s3_server import S3Endpoint, s3_client, s3_endpoint
 
 __all__ = ["s3_endpoint"]  # the fixture, imported for pytest

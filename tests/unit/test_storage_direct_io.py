@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ray_ckpt.storage import direct_io, writeback
-from ray_ckpt.storage.direct_io import BLOCK, StreamWriter
-from ray_ckpt.storage.local_blobs import LocalBlobs
+from ray_ckpt.storage.blobstore import direct_io, writeback
+from ray_ckpt.storage.blobstore.direct_io import BLOCK, StreamWriter
+from ray_ckpt.storage.blobstore.local_blobs import LocalBlobs
 
 # Odd sizes, so blocks are cut inside chunks: 2 whole blocks and a tail.
 CHUNKS = [

@@ -20,8 +20,8 @@ from ray_ckpt.storage import (
     write_gym_manifest,
     write_participant,
 )
-from ray_ckpt.storage.gym_manifest import gym_manifest_path
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
+from ray_ckpt.storage.root.gym_manifest import gym_manifest_path
 
 KIND, INST = "agent", "a0"
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_ckpt.storage.records_format import StateEncoder, decode_state
+from ray_ckpt.storage.records.records_format import StateEncoder, decode_state
 
 
 def same(a: Any, b: Any) -> bool:

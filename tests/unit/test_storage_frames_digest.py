@@ -20,12 +20,12 @@ from ray_ckpt.storage import (
     read_participant,
     write_participant,
 )
-from ray_ckpt.storage.manifest_shapes import verify_participant
-from ray_ckpt.storage.participant_manifest import MANIFEST_NAME, decode_manifest
-from ray_ckpt.storage.participant_store import encode_manifest
-from ray_ckpt.storage.record import Record
-from ray_ckpt.storage.records_format import FRAME, MAGIC
-from ray_ckpt.storage.records_io import records_digest
+from ray_ckpt.storage.participant.manifest_shapes import verify_participant
+from ray_ckpt.storage.participant.participant_manifest import MANIFEST_NAME, decode_manifest
+from ray_ckpt.storage.participant.participant_store import encode_manifest
+from ray_ckpt.storage.records.record import Record
+from ray_ckpt.storage.records.records_format import FRAME, MAGIC
+from ray_ckpt.storage.records.records_io import records_digest
 
 KIND, INST = "environment", "env-0"
 
@@ -231,7 +231,7 @@ def test_an_incremental_checkpoint_after_a_sha256_one_starts_a_full_chain(
 ) -> None:
     """References are in their manifest's own digest: a BLAKE3 manifest
     never points at frames hashed with sha256."""
-    from ray_ckpt.storage.incremental import Previous
+    from ray_ckpt.storage.participant.incremental import Previous
 
     recs = records()
     first = tmp_path / "ck-1"

@@ -8,6 +8,7 @@ import pathlib
 import msgspec
 import pytest
 
+from coordination.cli_inspect import InspectReport, inspect_checkpoint, render_inspect
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.storage import (
     ParticipantManifest,
@@ -17,9 +18,8 @@ from ray_ckpt.storage import (
     write_gym_manifest,
     write_participant,
 )
-from ray_ckpt.storage.gym_manifest import gym_manifest_path
-from ray_ckpt.storage.inspect import InspectReport, inspect_checkpoint, render_inspect
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
+from ray_ckpt.storage.root.gym_manifest import gym_manifest_path
 
 PARTS = [("agent", "a0"), ("environment", "e0"), ("environment", "e1")]
 

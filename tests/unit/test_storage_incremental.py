@@ -18,18 +18,18 @@ from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.storage import (
     open_location,
     read_participant,
-    referenced,
     verify_checkpoint,
     write_gym_manifest,
     write_participant,
 )
-from ray_ckpt.storage.catalog import scan
-from ray_ckpt.storage.incremental import ChainPolicy, Previous
-from ray_ckpt.storage.participant_manifest import ParticipantManifest, participant_key
-from ray_ckpt.storage.pointer import join_location
-from ray_ckpt.storage.record import Record
-from ray_ckpt.storage.records_format import MAGIC
-from ray_ckpt.storage.retention import collect
+from ray_ckpt.storage.blobstore.locations import join_location
+from ray_ckpt.storage.participant import referenced
+from ray_ckpt.storage.participant.incremental import ChainPolicy, Previous
+from ray_ckpt.storage.participant.participant_manifest import ParticipantManifest, participant_key
+from ray_ckpt.storage.records.record import Record
+from ray_ckpt.storage.records.records_format import MAGIC
+from ray_ckpt.storage.root.catalog import scan
+from ray_ckpt.storage.root.retention import collect
 from ray_ckpt.storage.seam import FileRecordStore
 from tests.s3_server import local_or_s3_root, s3_endpoint
 
@@ -37,8 +37,6 @@ __all__ = ["local_or_s3_root", "s3_endpoint"]  # the fixtures, imported for pyte
 
 KIND, INST = "agent", "i0"
 PKEY = participant_key(KIND, INST)
-
-
 
 
 def rec(i: int, gen: int, *, versioned: bool = True, pad: int = 2000) -> Record:
@@ -339,7 +337,7 @@ def test_settings_bound_the_chain() -> None:
 
 
 def test_inspect_follows_references(root: str) -> None:
-    from ray_ckpt.storage.inspect import inspect_checkpoint, render_inspect
+    from coordination.cli_inspect import inspect_checkpoint, render_inspect
 
     full, inc = chain(root, 2)
     report = inspect_checkpoint(inc.location)
@@ -375,7 +373,8 @@ def test_a_manifest_of_the_old_shape_reads_and_is_never_a_base(root: str) -> Non
 def test_a_stop_during_the_change_check_publishes_nothing(
     root: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ray_ckpt.storage import WriteStop, incremental
+    from ray_ckpt.storage import WriteStop
+    from ray_ckpt.storage.participant import incremental
 
     (full,) = chain(root, 1, versioned=False)
     stop = WriteStop()

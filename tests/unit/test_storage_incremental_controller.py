@@ -12,7 +12,7 @@ from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.storage import open_location, write_gym_manifest
-from ray_ckpt.storage.participant_manifest import ParticipantManifest, participant_key
+from ray_ckpt.storage.participant.participant_manifest import ParticipantManifest, participant_key
 from ray_ckpt.storage.seam import FileRecordStore
 from tests.unit.fakes import FakeParticipant
 

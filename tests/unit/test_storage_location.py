@@ -24,7 +24,7 @@ from ray_ckpt.control.routes import CHECKPOINT_ROUTE_PREFIX, maybe_install_contr
 from ray_ckpt.errors import InvalidRequest, ParticipantUnavailable
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.storage import read_participant
-from ray_ckpt.storage.location import location_error
+from ray_ckpt.storage.blobstore.location_errors import location_error
 
 from .conftest import Serve
 from .fakes import FakeParticipant

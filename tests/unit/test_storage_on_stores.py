@@ -29,9 +29,9 @@ from ray_ckpt.storage import (
     write_gym_manifest,
     write_participant,
 )
-from ray_ckpt.storage.blobs import Blobs, is_temp
-from ray_ckpt.storage.participant_manifest import encode_manifest, participant_key
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.blobstore.blobs import Blobs, is_temp
+from ray_ckpt.storage.participant.participant_manifest import encode_manifest, participant_key
+from ray_ckpt.storage.records.record import Record
 from ray_ckpt.storage.seam import FileRecordStore
 from tests.s3_server import S3Endpoint, s3_client, s3_endpoint
 
@@ -175,7 +175,7 @@ def test_a_write_into_a_missing_bucket_is_an_invalid_request(s3_endpoint: S3Endp
 _UPLOADER = """
 import sys, time
 from ray_ckpt.storage import write_participant
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 
 def records():
     for i in range(400):

@@ -19,9 +19,9 @@ from ray_ckpt.storage import (
     read_participant,
     write_participant,
 )
-from ray_ckpt.storage.participant_store import encode_manifest
-from ray_ckpt.storage.record import Record
-from ray_ckpt.storage.records_format import FRAME, MAGIC
+from ray_ckpt.storage.participant.participant_store import encode_manifest
+from ray_ckpt.storage.records.record import Record
+from ray_ckpt.storage.records.records_format import FRAME, MAGIC
 
 KIND, INST = "environment", "env-0"
 

@@ -18,8 +18,8 @@ import pytest
 
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.storage import load_manifest, read_participant, write_participant
-from ray_ckpt.storage.durable import create_never_replace
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.blobstore.durable import create_never_replace
+from ray_ckpt.storage.records.record import Record
 
 ROUNDS = 60
 

@@ -19,7 +19,7 @@ from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.errors import CoordinationFailed, StaleAttempt
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.settings import CheckpointSettings
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 from ray_ckpt.workers.aggregate import WorkersParticipant
 from tests.unit.coord_fleet import Fleet, make_fleet
 from tests.unit.fakes import MemoryStore

@@ -25,7 +25,7 @@ from ray_ckpt.errors import (
 )
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.settings import CheckpointSettings
-from ray_ckpt.storage.record import Record
+from ray_ckpt.storage.records.record import Record
 from ray_ckpt.workers.aggregate import WorkersParticipant
 from tests.unit.fakes import MemoryStore
 from tests.unit.helpers import body

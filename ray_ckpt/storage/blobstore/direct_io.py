@@ -32,7 +32,7 @@ import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ray_ckpt.storage.writeback import start_writeback
+from ray_ckpt.storage.blobstore.writeback import start_writeback
 
 BLOCK = 4 << 20  # a multiple of every logical block size (512 B to 4 KiB)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)

@@ -28,10 +28,10 @@ import pathlib
 from collections.abc import Callable, Iterator, Sequence
 
 from ray_ckpt.errors import InvalidCheckpointState
-from ray_ckpt.storage import durable
-from ray_ckpt.storage.blobs import BlobInfo, BlobMissing, check_key, temp_key
-from ray_ckpt.storage.direct_io import StreamWriter
-from ray_ckpt.storage.location import directory_errors
+from ray_ckpt.storage.blobstore import durable
+from ray_ckpt.storage.blobstore.blobs import BlobInfo, BlobMissing, check_key, temp_key
+from ray_ckpt.storage.blobstore.direct_io import StreamWriter
+from ray_ckpt.storage.blobstore.location_errors import directory_errors
 
 _READ_CHUNK = 4 << 20
 

@@ -1,10 +1,14 @@
-"""Parse a checkpoint location into its `Blobs`, and probe it before use.
+"""Checkpoint locations: parse one into its `Blobs`, probe it before use, name its parent.
 
 A location is an absolute POSIX path, a `file://` URI, or an object-store URI
 (`s3://bucket/prefix`, `gs://bucket/prefix`).  Anything else is refused with
 `InvalidRequest` naming it: a relative path would land in each actor's own
 working directory (so `s3:/bucket/x`, one slash short, is refused too), and an
 unknown scheme would be silently misread as a path.
+
+A location's parent and name are plain string operations on an absolute path
+or a URI (`split_location`, `join_location`): the same for ``/ckpt/step-1``,
+``file:///ckpt/step-1`` and ``s3://bucket/ckpt/step-1``.
 """
 
 from __future__ import annotations
@@ -14,10 +18,10 @@ import pathlib
 import urllib.parse
 
 from ray_ckpt.errors import CheckpointError, InvalidRequest
-from ray_ckpt.storage import durable
-from ray_ckpt.storage.blobs import SCHEMES, Blobs, refuse, temp_key
-from ray_ckpt.storage.local_blobs import LocalBlobs
-from ray_ckpt.storage.location import directory_errors
+from ray_ckpt.storage.blobstore import durable
+from ray_ckpt.storage.blobstore.blobs import SCHEMES, Blobs, refuse, temp_key
+from ray_ckpt.storage.blobstore.local_blobs import LocalBlobs
+from ray_ckpt.storage.blobstore.location_errors import directory_errors
 
 
 def open_location(location: str | os.PathLike[str]) -> Blobs:
@@ -72,7 +76,7 @@ def _object_store(text: str) -> Blobs:
     # Imported here: only object-store locations pay for the client.
     from obstore.store import from_url
 
-    from ray_ckpt.storage.object_blobs import ObjectBlobs, store_error
+    from ray_ckpt.storage.blobstore.object_blobs import ObjectBlobs, store_error
 
     try:
         store = from_url(text)
@@ -136,3 +140,26 @@ def _check_store(blobs: Blobs, *, for_write: bool) -> None:
         return
     if not blobs.list():
         raise refuse(blobs.url, "cannot be read: it holds nothing")
+
+
+# --- names: a location's parent and a child of it --------------------------
+
+
+def split_location(location: str) -> tuple[str, str]:
+    """(parent location, name) of a checkpoint location: where its `LATEST`
+    goes and what it says.  `InvalidRequest` if there is no parent to use."""
+    text = location.rstrip("/")
+    scheme, sep, rest = text.partition("://")
+    base = rest if sep else text
+    parent, slash, name = base.rpartition("/")
+    if sep and slash and not parent and base.startswith("/"):
+        parent = "/"  # file:///name
+    if not slash or not name or (sep and not parent):
+        raise InvalidRequest(f"checkpoint location {location!r} has no parent to hold LATEST")
+    if not sep:
+        return parent or "/", name
+    return f"{scheme}://{parent}" if parent != "/" else f"{scheme}:///", name
+
+
+def join_location(root: str, name: str) -> str:
+    return f"{root}{name}" if root.endswith("/") else f"{root}/{name}"

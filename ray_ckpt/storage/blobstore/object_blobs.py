@@ -54,7 +54,7 @@ from ray_ckpt.errors import (
     InvalidRequest,
     ParticipantUnavailable,
 )
-from ray_ckpt.storage.blobs import BlobInfo, BlobMissing, check_key
+from ray_ckpt.storage.blobstore.blobs import BlobInfo, BlobMissing, check_key
 
 PART = 8 << 20  # multipart part size (S3's minimum is 5 MiB)
 _CONCURRENCY = 4  # parts in flight per upload

@@ -41,10 +41,10 @@ from typing import Any
 import msgspec
 
 from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest
-from ray_ckpt.storage.blobs import BlobMissing, Blobs
-from ray_ckpt.storage.durable import WriteStop
-from ray_ckpt.storage.locations import open_location
-from ray_ckpt.storage.participant_manifest import (
+from ray_ckpt.storage.blobstore.blobs import BlobMissing, Blobs
+from ray_ckpt.storage.blobstore.durable import WriteStop
+from ray_ckpt.storage.blobstore.locations import open_location, split_location
+from ray_ckpt.storage.participant.participant_manifest import (
     DIGEST_ALGO,
     MANIFEST_NAME,
     RECORDS_RE,
@@ -54,9 +54,8 @@ from ray_ckpt.storage.participant_manifest import (
     decode_manifest,
     participant_key,
 )
-from ray_ckpt.storage.pointer import split_location
-from ray_ckpt.storage.record import Record
-from ray_ckpt.storage.records_format import StateEncoder, frame_hash
+from ray_ckpt.storage.records.record import Record
+from ray_ckpt.storage.records.records_format import StateEncoder, frame_hash
 
 FULL_EVERY = 8
 MIN_LIVE_FRACTION = 0.5

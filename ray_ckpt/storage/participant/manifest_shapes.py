@@ -18,8 +18,8 @@ from typing import Any
 import msgspec
 
 from ray_ckpt.errors import InvalidCheckpointState
-from ray_ckpt.storage.blobs import BlobMissing, Blobs, blob_name
-from ray_ckpt.storage.participant_manifest import (
+from ray_ckpt.storage.blobstore.blobs import BlobMissing, Blobs, blob_name
+from ray_ckpt.storage.participant.participant_manifest import (
     DIGEST_ALGOS,
     GYM,
     RECORDS_RE,
@@ -29,7 +29,7 @@ from ray_ckpt.storage.participant_manifest import (
     load_manifest,
     manifest_bytes,
 )
-from ray_ckpt.storage.participant_store import read_records
+from ray_ckpt.storage.participant.participant_store import read_records
 
 _FOREIGN_RECORDS = re.compile(r"records-[0-9a-f]{64}\.jsonl|records\.jsonl")
 _SHA256 = re.compile(r"[0-9a-f]{64}")

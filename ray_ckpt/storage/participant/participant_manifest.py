@@ -16,9 +16,9 @@ import msgspec
 
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.identity import ID_PATTERN
-from ray_ckpt.storage.blobs import BlobMissing, Blobs, blob_name
-from ray_ckpt.storage.locations import open_location
-from ray_ckpt.storage.records_format import (
+from ray_ckpt.storage.blobstore.blobs import BlobMissing, Blobs, blob_name
+from ray_ckpt.storage.blobstore.locations import open_location
+from ray_ckpt.storage.records.records_format import (
     FORMAT,
     FRAMES_DIGEST,
     SHA256_FRAMES_DIGEST,

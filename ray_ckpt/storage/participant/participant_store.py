@@ -41,10 +41,10 @@ from collections.abc import Callable, Iterable
 import msgspec
 
 from ray_ckpt.errors import InvalidCheckpointState
-from ray_ckpt.storage.blobs import BlobMissing, Blobs, blob_name
-from ray_ckpt.storage.durable import WriteStop
-from ray_ckpt.storage.incremental import ChainPolicy, Previous, plan, same_records
-from ray_ckpt.storage.participant_manifest import (
+from ray_ckpt.storage.blobstore.blobs import BlobMissing, Blobs, blob_name
+from ray_ckpt.storage.blobstore.durable import WriteStop
+from ray_ckpt.storage.participant.incremental import ChainPolicy, Previous, plan, same_records
+from ray_ckpt.storage.participant.participant_manifest import (
     DIGEST_ALGO,
     MANIFEST_NAME,
     RECORDS_RE,
@@ -61,16 +61,16 @@ from ray_ckpt.storage.participant_manifest import (
     participant_dir,
     participant_key,
 )
-from ray_ckpt.storage.pipeline import ChunkWriter, HashingReader
-from ray_ckpt.storage.record import Record
-from ray_ckpt.storage.records_format import FORMAT, WHOLE_FILE_DIGEST
-from ray_ckpt.storage.records_io import (
+from ray_ckpt.storage.participant.referenced import RefReader
+from ray_ckpt.storage.records.pipeline import ChunkWriter, HashingReader
+from ray_ckpt.storage.records.record import Record
+from ray_ckpt.storage.records.records_format import FORMAT, WHOLE_FILE_DIGEST
+from ray_ckpt.storage.records.records_io import (
     FrameIndex,
     digest_records,
     encode_records,
     parse_records,
 )
-from ray_ckpt.storage.referenced import RefReader
 
 __all__ = [
     "DIGEST_ALGO",

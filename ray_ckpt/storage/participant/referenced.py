@@ -21,11 +21,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import msgspec
 
 from ray_ckpt.errors import InvalidCheckpointState
-from ray_ckpt.storage.blobs import BlobMissing, Blobs, blob_name
-from ray_ckpt.storage.incremental import root_of
-from ray_ckpt.storage.participant_manifest import FrameRef, ParticipantManifest, participant_key
-from ray_ckpt.storage.record import Record
-from ray_ckpt.storage.records_format import FRAME, decode_state, frame_hash
+from ray_ckpt.storage.blobstore.blobs import BlobMissing, Blobs, blob_name
+from ray_ckpt.storage.participant.incremental import root_of
+from ray_ckpt.storage.participant.participant_manifest import (
+    FrameRef,
+    ParticipantManifest,
+    participant_key,
+)
+from ray_ckpt.storage.records.record import Record
+from ray_ckpt.storage.records.records_format import FRAME, decode_state, frame_hash
 
 # Adjacent referenced frames are fetched in one ranged read up to this size,
 # and across gaps up to `_GAP` (a few wasted bytes beat one more round trip).

@@ -21,10 +21,10 @@ import msgspec
 
 from ray_ckpt.errors import CheckpointError, InvalidCheckpointState
 from ray_ckpt.identity import check_record_key
-from ray_ckpt.storage.durable import WriteStop
-from ray_ckpt.storage.pipeline import CHUNK, ChunkWriter, HashingReader, HashingWriter
-from ray_ckpt.storage.record import Record
-from ray_ckpt.storage.records_format import (
+from ray_ckpt.storage.blobstore.durable import WriteStop
+from ray_ckpt.storage.records.pipeline import CHUNK, ChunkWriter, HashingReader, HashingWriter
+from ray_ckpt.storage.records.record import Record
+from ray_ckpt.storage.records.records_format import (
     FRAME,
     FRAMES_DIGEST,
     MAGIC,

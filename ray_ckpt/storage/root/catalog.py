@@ -3,7 +3,7 @@
 A root holds one checkpoint per top-level name, ``<root>/<name>/``, and the
 Gym part of each lives under ``<name>/gym/`` (the trainer may keep its own
 files beside it; nothing here reads or deletes them), plus the `LATEST`
-pointer (`ray_ckpt.storage.pointer`).  `latest` is the checkpoint `LATEST`
+pointer (`ray_ckpt.storage.root.pointer`).  `latest` is the checkpoint `LATEST`
 names when it is complete, else the newest complete one by time: a crash
 between the Gym manifest and the pointer leaves a complete checkpoint that
 `LATEST` does not name yet.
@@ -33,11 +33,12 @@ import msgspec
 
 from ray_ckpt.errors import CheckpointError, InvalidCheckpointState
 from ray_ckpt.identity import is_result_key
-from ray_ckpt.storage.blobs import BlobInfo, BlobMissing, Blobs, is_temp
-from ray_ckpt.storage.gym_manifest import GYM_MANIFEST_NAME, GymManifest
-from ray_ckpt.storage.incremental import referenced_files
-from ray_ckpt.storage.participant_store import MANIFEST_NAME, SCHEMA_VERSION
-from ray_ckpt.storage.pointer import LatestPointer, join_location, read_latest
+from ray_ckpt.storage.blobstore.blobs import BlobInfo, BlobMissing, Blobs, is_temp
+from ray_ckpt.storage.blobstore.locations import join_location
+from ray_ckpt.storage.participant.incremental import referenced_files
+from ray_ckpt.storage.participant.participant_store import MANIFEST_NAME, SCHEMA_VERSION
+from ray_ckpt.storage.root.gym_manifest import GYM_MANIFEST_NAME, GymManifest
+from ray_ckpt.storage.root.pointer import LatestPointer, read_latest
 
 log = logging.getLogger(__name__)
 

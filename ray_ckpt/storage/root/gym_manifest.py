@@ -28,8 +28,8 @@ from typing import Any
 import msgspec
 
 from ray_ckpt.errors import InvalidCheckpointState
-from ray_ckpt.storage.blobs import BlobMissing, Blobs, blob_name
-from ray_ckpt.storage.manifest_shapes import (
+from ray_ckpt.storage.blobstore.blobs import BlobMissing, Blobs, blob_name
+from ray_ckpt.storage.participant.manifest_shapes import (
     ManifestSummary,
     json_object,
     present_participants,
@@ -37,7 +37,7 @@ from ray_ckpt.storage.manifest_shapes import (
     summarize_manifest,
     verify_participant,
 )
-from ray_ckpt.storage.participant_manifest import (
+from ray_ckpt.storage.participant.participant_manifest import (
     GYM,
     SCHEMA_VERSION,
     ParticipantManifest,

@@ -1,4 +1,4 @@
-"""The `LATEST` pointer of a root, and the names of checkpoint locations.
+"""The `LATEST` pointer of a root: which checkpoint under it is the latest.
 
 After a checkpoint's Gym manifest (its commit point) the coordinator replaces
 ``<parent>/LATEST`` atomically (`Blobs.replace`: readers see the old pointer
@@ -7,9 +7,8 @@ to answer and stable while checkpoints are written; it is never the commit
 point, so an unreadable or stale one is ignored (`catalog.pick_latest` falls
 back to the newest complete checkpoint by time).
 
-A checkpoint location's parent and name are plain string operations on an
-absolute path or a URI (`split_location`, `join_location`): the same for
-``/ckpt/step-1``, ``file:///ckpt/step-1`` and ``s3://bucket/ckpt/step-1``.
+The pointer of a checkpoint goes in its location's parent
+(`locations.split_location`).
 """
 
 from __future__ import annotations
@@ -18,8 +17,8 @@ import logging
 
 import msgspec
 
-from ray_ckpt.errors import InvalidRequest
-from ray_ckpt.storage.blobs import BlobMissing, Blobs
+from ray_ckpt.storage.blobstore.blobs import BlobMissing, Blobs
+from ray_ckpt.storage.blobstore.locations import open_location, split_location
 
 log = logging.getLogger(__name__)
 
@@ -34,29 +33,6 @@ class LatestPointer(msgspec.Struct, frozen=True):
     checkpoint_id: str
 
 
-# --- locations ----------------------------------------------------------------
-
-
-def split_location(location: str) -> tuple[str, str]:
-    """(parent location, name) of a checkpoint location: where its `LATEST`
-    goes and what it says.  `InvalidRequest` if there is no parent to use."""
-    text = location.rstrip("/")
-    scheme, sep, rest = text.partition("://")
-    base = rest if sep else text
-    parent, slash, name = base.rpartition("/")
-    if sep and slash and not parent and base.startswith("/"):
-        parent = "/"  # file:///name
-    if not slash or not name or (sep and not parent):
-        raise InvalidRequest(f"checkpoint location {location!r} has no parent to hold LATEST")
-    if not sep:
-        return parent or "/", name
-    return f"{scheme}://{parent}" if parent != "/" else f"{scheme}:///", name
-
-
-def join_location(root: str, name: str) -> str:
-    return f"{root}{name}" if root.endswith("/") else f"{root}/{name}"
-
-
 # --- LATEST -------------------------------------------------------------------
 
 
@@ -67,8 +43,6 @@ def write_latest(blobs: Blobs, name: str, checkpoint_id: str) -> None:
 
 def write_latest_for(checkpoint_dir: str, checkpoint_id: str) -> None:
     """After the Gym manifest of `checkpoint_dir`: its parent's `LATEST` names it."""
-    from ray_ckpt.storage.locations import open_location
-
     parent, name = split_location(checkpoint_dir)
     write_latest(open_location(parent), name, checkpoint_id)
 

@@ -34,8 +34,8 @@ import time
 import msgspec
 
 from ray_ckpt.errors import InvalidRequest
-from ray_ckpt.storage.blobs import BlobInfo, Blobs, is_temp
-from ray_ckpt.storage.catalog import GYM, Catalog, Scanned, participant_of, scan
+from ray_ckpt.storage.blobstore.blobs import BlobInfo, Blobs, is_temp
+from ray_ckpt.storage.root.catalog import GYM, Catalog, Scanned, participant_of, scan
 
 # A write in flight touches its temp object at least this often; anything
 # quieter for longer is a crash's leftover.  Generous: a commit of a large
@@ -184,7 +184,7 @@ def apply_plan(blobs: Blobs, plan: GcPlan) -> GcPlan:
 def _prune_local_dirs(blobs: Blobs, plan: GcPlan) -> None:
     """On disk a deleted checkpoint would leave its empty folders behind (an
     object store has no folders); remove those that are empty, nothing else."""
-    from ray_ckpt.storage.local_blobs import LocalBlobs
+    from ray_ckpt.storage.blobstore.local_blobs import LocalBlobs
 
     if not isinstance(blobs, LocalBlobs):
         return
