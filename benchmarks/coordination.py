@@ -99,7 +99,7 @@ class EmptyParticipant:
         return True
 
     def report(self, limit: int) -> Any:
-        from ray_ckpt.control.wire import PrepareReport
+        from ray_ckpt.reports import PrepareReport
 
         return PrepareReport(ready=True)
 

@@ -83,7 +83,7 @@ class LoadedParticipant:
         return True
 
     def report(self, limit: int) -> Any:
-        from ray_ckpt.control.wire import PrepareReport
+        from ray_ckpt.reports import PrepareReport
 
         return PrepareReport(ready=True)
 

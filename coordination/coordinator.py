@@ -72,9 +72,9 @@ from coordination.results import (
 )
 from coordination.roots import restore_target, writable
 from coordination.timeline import chrome_trace
-from ray_ckpt.control.wire import Receipt
 from ray_ckpt.errors import InvalidRequest
 from ray_ckpt.identity import EpisodeId
+from ray_ckpt.reports import Receipt
 
 log = logging.getLogger(__name__)
 

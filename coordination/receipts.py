@@ -29,8 +29,8 @@ import msgspec
 from coordination.calls import coordination_failed
 from coordination.fanout import Outcome, failure, fan_out
 from coordination.hosts import Host
-from ray_ckpt.control.wire import Receipt
 from ray_ckpt.errors import InvalidRequest, Reason, UnknownReceipt
+from ray_ckpt.reports import Receipt
 
 if TYPE_CHECKING:
     from coordination.engine import CoordinatorCore

@@ -26,11 +26,11 @@ from typing import Any
 from participants.hooks import stage_records
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
 from ray_ckpt.control.admission import AdmissionGate
-from ray_ckpt.control.retire_marks import retire_scope
-from ray_ckpt.control.wire import PrepareReport
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.identity import EpisodeId
+from ray_ckpt.reports import PrepareReport
 from ray_ckpt.steps import EpisodeSteps
+from ray_ckpt.steps.retire_marks import retire_scope
 from ray_ckpt.storage.records.record import Record, check_json
 
 SESSION_FIELDS = frozenset({"step", "turn", "done", "messages", "turns", "result"})

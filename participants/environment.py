@@ -35,7 +35,6 @@ from typing import Any, Protocol
 import msgspec
 
 from participants.common import digest
-from ray_ckpt.control.wire import Blocker, PrepareReport, Receipt
 from ray_ckpt.errors import (
     FinishedInScope,
     InvalidCheckpointState,
@@ -43,6 +42,7 @@ from ray_ckpt.errors import (
     ResultHeld,
 )
 from ray_ckpt.identity import EpisodeId, is_result_key
+from ray_ckpt.reports import Blocker, PrepareReport, Receipt
 from ray_ckpt.steps import Episode, EpisodeSteps, restart_from_headers, verify_mode_from_headers
 from ray_ckpt.steps.participant import EpisodeParticipant
 from ray_ckpt.steps.receipts import ResultReceipts

@@ -49,10 +49,10 @@ from participants.hooks import stage_records, stop_tasks
 from participants.model_calls import Call, Cut, continue_restored, cut_generations
 from participants.model_ledger import Row, add_row, export_records, parse_state
 from ray_ckpt.control.admission import AdmissionGate
-from ray_ckpt.control.retire_marks import retire_scope
-from ray_ckpt.control.wire import Blocker, PrepareReport
 from ray_ckpt.errors import AdmissionClosed, InvalidRequest, StaleAttempt
 from ray_ckpt.identity import EpisodeId
+from ray_ckpt.reports import Blocker, PrepareReport
+from ray_ckpt.steps.retire_marks import retire_scope
 from ray_ckpt.storage.records.record import Record
 
 

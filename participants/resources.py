@@ -27,10 +27,10 @@ from typing import Any, Protocol
 
 from participants.hooks import stage_records, stop_tasks
 from ray_ckpt.control.admission import AdmissionGate
-from ray_ckpt.control.retire_marks import retire_scope
-from ray_ckpt.control.wire import Blocker, PrepareReport
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.identity import EpisodeId
+from ray_ckpt.reports import Blocker, PrepareReport
+from ray_ckpt.steps.retire_marks import retire_scope
 from ray_ckpt.storage.records.record import Record, check_json
 
 

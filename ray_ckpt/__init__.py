@@ -4,7 +4,7 @@ The core knows nothing of participant kinds: `participants` implements the
 hooks per kind and `coordination` drives the ordered phases across them.
 Heavy pieces (Ray hosts, storage backends, wire bodies) are imported from
 their modules: `ray_ckpt.hosting.host`, `ray_ckpt.hosting.sidecar`,
-`ray_ckpt.storage`, `ray_ckpt.control.wire`.
+`ray_ckpt.storage`, `ray_ckpt.control.wire`, `ray_ckpt.reports`.
 """
 
 from ray_ckpt.clock import Clock, ManualClock, SystemClock

@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from participants.resources import ResourcesMode, ResourcesParticipant, SessionHooks
-from ray_ckpt.control.retire_marks import retire_scope
-from ray_ckpt.control.wire import PrepareReport
 from ray_ckpt.identity import EpisodeId
+from ray_ckpt.reports import PrepareReport
+from ray_ckpt.steps.retire_marks import retire_scope
 
 
 class WrappedResources(ResourcesParticipant):

@@ -25,9 +25,9 @@ from collections.abc import Callable, Sequence
 from aiohttp import web
 
 from participants.common import ServerBase, episode_of, guarded, json_object
-from ray_ckpt.control.wire import Blocker, PrepareReport
 from ray_ckpt.errors import AdmissionClosed, InvalidRequest
 from ray_ckpt.identity import EpisodeId
+from ray_ckpt.reports import Blocker, PrepareReport
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.storage.records.record import Record
 

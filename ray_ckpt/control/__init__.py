@@ -12,11 +12,11 @@
 - `receipt_ops` — the finished results a participant holds, behind `ack`
   and `collect`;
 - `protocol` — the `Participant` hooks one kind of server implements;
-- `wire` — msgspec request and reply bodies;
+- `wire` — msgspec request and reply bodies (what a participant reports,
+  `PrepareReport` and `Receipt`, is `ray_ckpt.reports`, below `steps` too);
 - `routes` — the shared gate and the aiohttp control routes; `asgi` — the
   ASGI (e.g. FastAPI) front over the same gate;
 - `client` — the control client and its reserved connection pool;
 - `admission` — the gate closed from prepare to resume;
-- `retire_marks` — per-rollout refusal marks raised by retire;
 - `observer` — what a controller reports to its host's metrics.
 """

@@ -28,7 +28,7 @@ from ray_ckpt.control.capture import Audited, capture
 from ray_ckpt.control.phase_machine import Phase
 from ray_ckpt.control.protocol import Participant
 from ray_ckpt.control.timing import within
-from ray_ckpt.control.wire import MAX_REPORTED_BLOCKERS, CommitRequest, to_builtins
+from ray_ckpt.control.wire import CommitRequest, to_builtins
 from ray_ckpt.errors import (
     CheckpointConflict,
     DeadlineExceeded,
@@ -36,6 +36,7 @@ from ray_ckpt.errors import (
     RestartInScope,
 )
 from ray_ckpt.identity import EpisodeId, is_result_key
+from ray_ckpt.reports import MAX_REPORTED_BLOCKERS
 from ray_ckpt.storage.records.record import Record, check_json
 from ray_ckpt.storage.seam import RecordStore, StopHandle
 

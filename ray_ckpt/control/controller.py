@@ -41,10 +41,8 @@ from ray_ckpt.control.observer import ControlObserver
 from ray_ckpt.control.phase_machine import ControlState, Effect, Event, Phase, Transition
 from ray_ckpt.control.protocol import Participant
 from ray_ckpt.control.restore import Restores, restore_reply
-from ray_ckpt.control.retire_marks import RetiredAttempts
 from ray_ckpt.control.timing import LeaseWatcher, ReadinessWait, within
 from ray_ckpt.control.wire import (
-    MAX_REPORTED_BLOCKERS,
     RECEIPT_OPERATIONS,
     AckRequest,
     CheckpointRequest,
@@ -66,7 +64,9 @@ from ray_ckpt.errors import (
     ReceiptsOff,
 )
 from ray_ckpt.identity import EpisodeId
+from ray_ckpt.reports import MAX_REPORTED_BLOCKERS
 from ray_ckpt.settings import CheckpointSettings
+from ray_ckpt.steps.retire_marks import RetiredAttempts
 from ray_ckpt.storage.seam import FileRecordStore, RecordStore
 
 log = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
-from ray_ckpt.control.wire import PrepareReport
 from ray_ckpt.identity import EpisodeId
+from ray_ckpt.reports import PrepareReport
 from ray_ckpt.storage.records.record import Record
 
 KINDS = ("environment", "model", "agent", "resources")

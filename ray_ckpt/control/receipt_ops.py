@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from ray_ckpt.control.protocol import Participant
-from ray_ckpt.control.wire import Receipt, to_builtins
+from ray_ckpt.control.wire import to_builtins
+from ray_ckpt.reports import Receipt
 from ray_ckpt.steps.receipts import ResultReceipts
 
 

@@ -21,13 +21,12 @@ from ray_ckpt.identity import (
     RolloutIdStr,
     validate_rollout_id,
 )
+from ray_ckpt.reports import PrepareReport, Receipt
 
 CheckpointIdStr = Annotated[
     str, msgspec.Meta(min_length=1, max_length=MAX_ID_LENGTH, pattern=ID_PATTERN)
 ]
 PathStr = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
-
-MAX_REPORTED_BLOCKERS = 100
 
 
 class CheckpointRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -131,29 +130,7 @@ def _decode(op: str, body: bytes | str | dict[str, Any], typ: type, decoder: Any
 # they are their own operations beside `OPERATIONS` (a controller that never
 # acks never sends them).
 
-DigestStr = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}\Z")]
 MAX_RECEIPTS_PER_ACK = 100_000
-
-
-class Receipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Names one finished result: its episode attempt and the sha256 of its
-    JSON (keys sorted), so an acknowledgement is for exactly that result."""
-
-    rollout_id: RolloutIdStr
-    attempt: Annotated[int, msgspec.Meta(ge=0)] = 0
-    digest: DigestStr
-
-    def __post_init__(self) -> None:
-        validate_rollout_id(self.rollout_id)  # the reserved -a<N> suffix too
-
-    @property
-    def episode(self) -> EpisodeId:
-        return EpisodeId(self.rollout_id, self.attempt)
-
-    @property
-    def key(self) -> str:
-        """For messages: the capture key and the digest's head."""
-        return f"{self.episode.capture_key}@{self.digest[:12]}"
 
 
 class AckRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -195,61 +172,6 @@ def decode_receipt_request(
 
 
 # --- replies -----------------------------------------------------------------
-
-
-class Blocker(msgspec.Struct, frozen=True, kw_only=True):
-    """One execution that keeps a participant from being ready."""
-
-    key: str  # capture key (or a label for non-episode work)
-    state: str  # running, wait_step, retiring, streaming, ...
-    step: int | None = None
-    mode: str | None = None
-    running_s: float | None = None
-    detail: str = ""
-
-
-class PrepareReport(msgspec.Struct, frozen=True, kw_only=True):
-    """What a participant's `report(limit)` hook returns (in process).
-
-    `blockers` here are the rich objects; on the wire (`wire()`) they go out
-    as NeMo Gym's capture-key strings under `blockers` and as objects under
-    `blocker_details`.
-    """
-
-    ready: bool
-    blockers: list[Blocker] = msgspec.field(default_factory=list)
-    blocker_count: int = 0
-    counts: dict[str, int] = msgspec.field(default_factory=dict)
-    restarts: list[str] = msgspec.field(default_factory=list)
-
-    def wire(self) -> ReportReply:
-        # Capped here too, whatever limit the hook honoured; the count is
-        # never below what was listed.
-        listed = self.blockers[:MAX_REPORTED_BLOCKERS]
-        return ReportReply(
-            ready=self.ready,
-            blockers=[b.key for b in listed],
-            blocker_count=max(self.blocker_count, len(self.blockers)),
-            counts=dict(self.counts),
-            restarts=list(self.restarts),
-            blocker_details=list(listed),
-        )
-
-
-class ReportReply(msgspec.Struct, frozen=True, kw_only=True):
-    """`report` in status and prepare replies, in NeMo Gym's shape.
-
-    `blockers` are capture-key strings because NeMo Gym's controller turns
-    each one back into an episode (`EpisodeId.from_capture_key`) to retire
-    it; `blocker_details` carries our per-blocker objects, same cap and order.
-    """
-
-    ready: bool
-    blockers: list[str]
-    blocker_count: int
-    counts: dict[str, int]
-    restarts: list[str]
-    blocker_details: list[Blocker]
 
 
 def report_reply(report: PrepareReport) -> dict[str, Any]:

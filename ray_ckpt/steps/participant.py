@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ray_ckpt.control.wire import PrepareReport
 from ray_ckpt.identity import EpisodeId
+from ray_ckpt.reports import PrepareReport
 from ray_ckpt.steps import EpisodeSteps
 from ray_ckpt.storage.records.record import Record
 

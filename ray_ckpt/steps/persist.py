@@ -16,9 +16,9 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ray_ckpt.control.wire import Blocker, PrepareReport
 from ray_ckpt.errors import InvalidCheckpointState, InvalidPhase, InvalidRequest, RestartInScope
 from ray_ckpt.identity import EpisodeId
+from ray_ckpt.reports import Blocker, PrepareReport
 from ray_ckpt.steps.episode import Episode, Restored
 from ray_ckpt.steps.modes import BLOCKING, EpisodeState
 from ray_ckpt.storage.records.record import Record, check_json

@@ -25,9 +25,9 @@ from typing import Any
 import msgspec
 import orjson
 
-from ray_ckpt.control.wire import Receipt
 from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest, UnknownReceipt
 from ray_ckpt.identity import EpisodeId, episode_of_result_key, result_key
+from ray_ckpt.reports import Receipt
 from ray_ckpt.storage.records.record import Record
 
 DEFAULT_REMEMBER = 65_536

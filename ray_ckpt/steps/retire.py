@@ -14,10 +14,10 @@ import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ray_ckpt.control.retire_marks import retire_scope
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.steps.episode import Episode
 from ray_ckpt.steps.modes import EpisodeState
+from ray_ckpt.steps.retire_marks import retire_scope
 
 if TYPE_CHECKING:
     from ray_ckpt.steps.table import EpisodeSteps

@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
-from ray_ckpt.control.wire import MAX_REPORTED_BLOCKERS, PrepareReport
 from ray_ckpt.errors import AdmissionClosed, InvalidPhase, InvalidRequest, StaleAttempt
 from ray_ckpt.identity import EpisodeId
+from ray_ckpt.reports import MAX_REPORTED_BLOCKERS, PrepareReport
 from ray_ckpt.steps import parking
 from ray_ckpt.steps.attempts import AttemptIndex
 from ray_ckpt.steps.episode import Episode, Step

@@ -34,10 +34,10 @@ from typing import Any
 
 import msgspec
 
-from ray_ckpt.control.retire_marks import retire_scope
-from ray_ckpt.control.wire import Blocker, PrepareReport
 from ray_ckpt.errors import InvalidCheckpointState, ParticipantUnavailable
 from ray_ckpt.identity import EpisodeId, check_record_key, is_result_key
+from ray_ckpt.reports import Blocker, PrepareReport
+from ray_ckpt.steps.retire_marks import retire_scope
 from ray_ckpt.storage.records.record import Record
 from ray_ckpt.workers.pool import WorkerPool
 from ray_ckpt.workers.receipts import WorkerReceipts

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ray_ckpt.control.wire import Receipt
 from ray_ckpt.errors import UnknownReceipt
+from ray_ckpt.reports import Receipt
 from ray_ckpt.steps.receipts import ResultReceipts, named_receipts
 
 if TYPE_CHECKING:

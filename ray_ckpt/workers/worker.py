@@ -26,12 +26,12 @@ from typing import Any, cast
 import msgspec
 from aiohttp import web
 
-from ray_ckpt.control.retire_marks import RetiredAttempts
-from ray_ckpt.control.wire import MAX_REPORTED_BLOCKERS
 from ray_ckpt.hosting.serving import bind_socket, socket_address
 from ray_ckpt.hosting.spec import GymServer, load_server
 from ray_ckpt.identity import EpisodeId, episode_of_result_key, is_result_key
+from ray_ckpt.reports import MAX_REPORTED_BLOCKERS
 from ray_ckpt.steps.receipts import ResultReceipts
+from ray_ckpt.steps.retire_marks import RetiredAttempts
 from ray_ckpt.storage.records.record import Record
 from ray_ckpt.workers.channel import Channel
 from ray_ckpt.workers.config import WorkerConfig, decode_config

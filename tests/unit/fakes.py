@@ -9,9 +9,9 @@ from typing import Any
 
 import msgspec
 
-from ray_ckpt.control.wire import Blocker, PrepareReport
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.identity import EpisodeId
+from ray_ckpt.reports import Blocker, PrepareReport
 from ray_ckpt.storage.records.record import Record
 
 

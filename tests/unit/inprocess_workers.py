@@ -57,7 +57,6 @@ from aiohttp import web
 
 from participants.environment import EnvironmentParticipant
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
-from ray_ckpt.control.wire import Receipt
 from ray_ckpt.errors import (
     CheckpointError,
     InvalidCheckpointState,
@@ -66,6 +65,7 @@ from ray_ckpt.errors import (
 )
 from ray_ckpt.hosting.spec import ServerSpec, load_server
 from ray_ckpt.identity import EpisodeId
+from ray_ckpt.reports import Receipt
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.steps import EpisodeSteps
 from ray_ckpt.steps.receipts import ResultReceipts

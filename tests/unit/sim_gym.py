@@ -50,7 +50,6 @@ from coordination.signal_budget import cut_budget
 from participants.fleet import KIND_ORDER, FleetConfig
 from participants.rollout import make_tasks, result_digest, run_episode
 from ray_ckpt.control.controller import ParticipantController
-from ray_ckpt.control.wire import Receipt
 from ray_ckpt.errors import (
     AdmissionClosed,
     CheckpointError,
@@ -60,6 +59,7 @@ from ray_ckpt.errors import (
     UnknownReceipt,
 )
 from ray_ckpt.identity import EpisodeId
+from ray_ckpt.reports import Receipt
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.storage import open_location, read_gym_manifest, verify_checkpoint
 from ray_ckpt.storage.root.pointer import read_latest

@@ -13,9 +13,9 @@ from coordination.hosts import FakeHost
 from coordination.order import Member
 from participants.environment import EnvironmentParticipant
 from ray_ckpt.control.controller import ParticipantController
-from ray_ckpt.control.wire import Receipt
 from ray_ckpt.errors import CoordinationFailed, InvalidRequest, UnknownReceipt
 from ray_ckpt.identity import EpisodeId
+from ray_ckpt.reports import Receipt
 from ray_ckpt.steps import EpisodeSteps
 from ray_ckpt.steps.receipts import ResultReceipts
 from tests.unit.coord_fleet import SETTINGS, Fleet, make_fleet

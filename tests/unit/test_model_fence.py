@@ -16,9 +16,9 @@ from participants.fleet import FACTORIES, FleetConfig
 from participants.local import start_local_server
 from participants.policy_model import PolicyModelParticipant
 from participants.servers.model import ModelServer
-from ray_ckpt.control.retire_marks import RetiredAttempts
 from ray_ckpt.errors import StaleAttempt
 from ray_ckpt.identity import EpisodeId
+from ray_ckpt.steps.retire_marks import RetiredAttempts
 from tests.unit.helpers import body, until
 
 R = EpisodeId("r")

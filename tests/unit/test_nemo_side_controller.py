@@ -11,8 +11,8 @@ import pytest
 
 from ray_ckpt import EpisodeId, ManualClock
 from ray_ckpt.control.controller import ParticipantController
-from ray_ckpt.control.wire import MAX_REPORTED_BLOCKERS, Blocker, PrepareReport
 from ray_ckpt.errors import StaleAttempt, StaleCheckpoint
+from ray_ckpt.reports import MAX_REPORTED_BLOCKERS, Blocker, PrepareReport
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.steps import EpisodeSteps
 from ray_ckpt.steps.participant import EpisodeParticipant

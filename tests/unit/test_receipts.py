@@ -10,9 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_ckpt.control.wire import Receipt, decode_receipt_request
+from ray_ckpt.control.wire import decode_receipt_request
 from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest, UnknownReceipt
 from ray_ckpt.identity import EpisodeId, check_record_key, result_key
+from ray_ckpt.reports import Receipt
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.steps.receipts import ResultReceipts, result_digest
 from ray_ckpt.storage.records.record import Record

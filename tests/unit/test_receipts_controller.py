@@ -18,7 +18,6 @@ from participants.environment import EnvironmentParticipant
 from ray_ckpt.control.asgi import ControlASGIMiddleware
 from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.control.routes import CHECKPOINT_ROUTE_PREFIX, control_app
-from ray_ckpt.control.wire import Receipt
 from ray_ckpt.errors import (
     FinishedInScope,
     InvalidCheckpointState,
@@ -27,6 +26,7 @@ from ray_ckpt.errors import (
 )
 from ray_ckpt.hosting.serving import bind_socket, serve_app, socket_address
 from ray_ckpt.identity import EpisodeId
+from ray_ckpt.reports import Receipt
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.steps import EpisodeSteps
 from ray_ckpt.steps.participant import EpisodeParticipant

@@ -76,3 +76,16 @@ def test_the_room_check_flags_an_upward_import_and_one_of_the_face() -> None:
         (f"{STORAGE}.blobstore.blobs", f"{STORAGE}.root.catalog"),
         (f"{STORAGE}.participant.p", STORAGE),
     ]
+
+
+def test_steps_does_not_import_the_control_plane() -> None:
+    # What both speak (`PrepareReport`, `Blocker`, `Receipt`: `ray_ckpt.reports`;
+    # the retire marks: `ray_ckpt.steps.retire_marks`) lives below both.
+    assert importers(import_graph(), of="ray_ckpt.control", in_="ray_ckpt.steps") == []
+
+
+def test_what_participants_report_imports_neither_steps_nor_control() -> None:
+    graph = import_graph()
+    assert not any(
+        t.startswith(("ray_ckpt.steps", "ray_ckpt.control")) for t in graph["ray_ckpt.reports"]
+    )
