@@ -47,7 +47,7 @@ if sys.path and os.path.abspath(sys.path[0]) == _HERE:
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-from ray_ckpt.hosting.spec import NamedControlOps  # noqa: E402  (after the sys.path fix)
+from ray_ckpt.gym_server.spec import NamedControlOps  # noqa: E402  (after the sys.path fix)
 
 KINDS = ("environment", "model", "agent", "resources")
 MODES = ("sync", "async")

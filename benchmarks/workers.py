@@ -64,8 +64,8 @@ def log(message: str) -> None:
 
 async def serve(workers: int) -> None:
     """Run one host until stdin closes; print its URL first."""
+    from ray_ckpt.gym_server.spec import ServerSpec
     from ray_ckpt.hosting.host import ParticipantHost
-    from ray_ckpt.hosting.spec import ServerSpec
 
     spec = ServerSpec(
         kind="resources",

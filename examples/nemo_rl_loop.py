@@ -46,8 +46,8 @@ import ray
 from pydantic import SecretStr
 
 from coordination import connect
+from ray_ckpt.gym_server.spec import ServerSpec, settings_dict
 from ray_ckpt.hosting.host import start_host, stop_host
-from ray_ckpt.hosting.spec import ServerSpec, settings_dict
 from ray_ckpt.settings import CheckpointSettings
 
 TOKEN = "nemo-rl-example-token"

@@ -24,8 +24,8 @@ from typing import Any
 import msgspec
 from pydantic import SecretStr
 
+from ray_ckpt.gym_server.spec import ServerSpec, actor_name, settings_dict
 from ray_ckpt.hosting.host import start_host, stop_host
-from ray_ckpt.hosting.spec import ServerSpec, actor_name, settings_dict
 from ray_ckpt.settings import CheckpointSettings
 
 # Prepare order (callers first); resume runs it in reverse.

@@ -22,8 +22,8 @@ import contextlib
 from typing import Any
 
 from participants.fleet import KIND_ORDER, Fleet, FleetConfig, launch_fleet
+from ray_ckpt.gym_server.spec import actor_name
 from ray_ckpt.hosting.host import get_host
-from ray_ckpt.hosting.spec import actor_name
 
 
 def _alive_nodes() -> list[str]:

@@ -15,8 +15,8 @@ from aiohttp import web
 from participants.fleet import KIND_ORDER, START_ORDER, FleetConfig, factory_options
 from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.control.routes import maybe_install_control_routes
-from ray_ckpt.hosting.serving import Serving, bind_socket, serve_app, socket_address
-from ray_ckpt.hosting.spec import GymServer, ServerSpec, load_server, settings_dict
+from ray_ckpt.gym_server.serving import Serving, bind_socket, serve_app, socket_address
+from ray_ckpt.gym_server.spec import GymServer, ServerSpec, load_server, settings_dict
 
 
 @dataclass

@@ -27,7 +27,7 @@ from aiohttp import web
 
 from ray_ckpt.control.asgi import ASGIApp
 from ray_ckpt.errors import AdmissionClosed, CheckpointError
-from ray_ckpt.hosting.serving import bind_socket, serve_app, socket_address
+from ray_ckpt.gym_server.serving import bind_socket, serve_app, socket_address
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.reports import PrepareReport
 from ray_ckpt.settings import CheckpointSettings

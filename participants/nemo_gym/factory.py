@@ -29,7 +29,7 @@ from typing import Any
 
 from participants.nemo_gym.codecs import Codecs
 from participants.nemo_gym.server import NemoGymServer, wrap
-from ray_ckpt.hosting.spec import import_factory
+from ray_ckpt.gym_server.spec import import_factory
 from ray_ckpt.settings import CheckpointSettings
 
 

@@ -42,21 +42,21 @@ from ray_ckpt.control.receipt_ops import held_results
 from ray_ckpt.control.routes import maybe_install_control_routes
 from ray_ckpt.control.wire import CONTROL_OPERATIONS
 from ray_ckpt.errors import CheckpointError, NotFound, ParticipantUnavailable
-from ray_ckpt.hosting.metrics import HostMetrics
-from ray_ckpt.hosting.serving import (
+from ray_ckpt.gym_server.serving import (
     DEFAULT_DRAIN_S,
     Serving,
     bind_socket,
     serve_app,
     socket_address,
 )
-from ray_ckpt.hosting.spec import (
+from ray_ckpt.gym_server.spec import (
     GymServer,
     NamedControlOps,
     ServerSpec,
     current_node_id,
     load_server,
 )
+from ray_ckpt.hosting.metrics import HostMetrics
 from ray_ckpt.workers.plane import WorkerPlane
 
 log = logging.getLogger(__name__)
@@ -273,7 +273,7 @@ def get_host(kind: str, name: str, *, namespace: str) -> Any:
     """The handle of a running host (raises ValueError if there is none)."""
     import ray
 
-    from ray_ckpt.hosting.spec import actor_name
+    from ray_ckpt.gym_server.spec import actor_name
 
     return ray.get_actor(actor_name(kind, name), namespace=namespace)
 

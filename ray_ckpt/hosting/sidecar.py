@@ -41,8 +41,8 @@ from ray_ckpt.control.protocol import Participant
 from ray_ckpt.control.routes import maybe_install_control_routes
 from ray_ckpt.control.wire import CONTROL_OPERATIONS
 from ray_ckpt.errors import CheckpointError, NotFound, ParticipantUnavailable
+from ray_ckpt.gym_server.spec import NamedControlOps, ServerSpec, current_node_id
 from ray_ckpt.hosting.metrics import HostMetrics
-from ray_ckpt.hosting.spec import NamedControlOps, ServerSpec, current_node_id
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.workers.detect import refuse_unmanaged_workers
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ray_ckpt.hosting.spec import ServerSpec
+from ray_ckpt.gym_server.spec import ServerSpec
 from ray_ckpt.workers.frames import DEFAULT_MAX_FRAME_BYTES
 
 # Reports also go out at least this often, as a heartbeat.

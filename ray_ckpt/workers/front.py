@@ -25,7 +25,8 @@ from aiohttp import web
 
 from ray_ckpt.control.routes import is_control_path
 from ray_ckpt.errors import CheckpointError, ParticipantUnavailable
-from ray_ckpt.workers.routing import ROLLOUT, owner_index, rollout_of_body, rollout_of_path
+from ray_ckpt.gym_server.spec import ROLLOUT
+from ray_ckpt.workers.routing import owner_index, rollout_of_body, rollout_of_path
 
 FORWARDED_HEADER = "x-ray-ckpt-worker-forwarded"
 # Answered for the whole server: every worker's stats, merged (`merge_stats`).

@@ -18,8 +18,9 @@ import orjson
 from ray_ckpt.control.asgi import ASGIApp, Message, Receive, Scope, Send
 from ray_ckpt.control.routes import is_control_path
 from ray_ckpt.errors import CheckpointError, ParticipantUnavailable, Reason
+from ray_ckpt.gym_server.spec import ROLLOUT
 from ray_ckpt.workers.front import _HOP, FORWARDED_HEADER, WorkerFront
-from ray_ckpt.workers.routing import ROLLOUT, owner_index, rollout_of_body, rollout_of_path
+from ray_ckpt.workers.routing import owner_index, rollout_of_body, rollout_of_path
 
 # A body this front reads (to find its rollout, or to forward it) is bounded.
 MAX_FORWARD_BODY_BYTES = 64 * 1024 * 1024

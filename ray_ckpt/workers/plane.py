@@ -16,8 +16,8 @@ from aiohttp import web
 
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
 from ray_ckpt.control.routes import ControlTarget, maybe_install_control_routes
-from ray_ckpt.hosting.serving import Serving, bind_socket, serve_app, socket_address
-from ray_ckpt.hosting.spec import ServerSpec
+from ray_ckpt.gym_server.serving import Serving, bind_socket, serve_app, socket_address
+from ray_ckpt.gym_server.spec import ServerSpec
 from ray_ckpt.workers.aggregate import WorkersParticipant
 from ray_ckpt.workers.pool import WorkerPool
 from ray_ckpt.workers.tracking import WorkerTable

@@ -24,7 +24,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from ray_ckpt.hosting.spec import ServerSpec
+from ray_ckpt.gym_server.spec import ServerSpec
 from ray_ckpt.workers.channel import MESSAGE_TIMEOUT_S, Channel, ChannelClosed
 from ray_ckpt.workers.config import WorkerConfig
 from ray_ckpt.workers.frames import DEFAULT_MAX_FRAME_BYTES

@@ -1,6 +1,7 @@
 """Which worker owns a rollout, and how a server spreads its requests (pure).
 
-Two ways to spread, chosen per server:
+Two ways to spread, chosen per server (`ServerSpec.spreading`, whose values
+`ray_ckpt.gym_server.spec` defines):
 
 - `SHARED`: any worker takes any request (the kernel spreads connections over
   the workers accepting on the one port).  For servers whose per-episode state
@@ -24,9 +25,6 @@ import orjson
 from ray_ckpt.errors import InvalidRequest
 from ray_ckpt.identity import ROLLOUT_PATH_PREFIX, EpisodeId
 
-SHARED = "shared"
-ROLLOUT = "rollout"
-SPREADING = (SHARED, ROLLOUT)
 # A body larger than this is never read to find its rollout (it is served
 # where it landed, or refused if the path names no rollout).
 MAX_PEEK_BYTES = 1024 * 1024

@@ -26,8 +26,8 @@ from typing import Any, cast
 import msgspec
 from aiohttp import web
 
-from ray_ckpt.hosting.serving import bind_socket, socket_address
-from ray_ckpt.hosting.spec import GymServer, load_server
+from ray_ckpt.gym_server.serving import bind_socket, socket_address
+from ray_ckpt.gym_server.spec import GymServer, load_server
 from ray_ckpt.identity import EpisodeId, episode_of_result_key, is_result_key
 from ray_ckpt.reports import MAX_REPORTED_BLOCKERS
 from ray_ckpt.steps.receipts import ResultReceipts

@@ -68,7 +68,7 @@ from coordination.handle import CoordinatorHandle
 from participants.fleet import Fleet, FleetConfig
 from ray_ckpt.control.client import data_session
 from ray_ckpt.errors import CoordinationFailed, ParticipantUnavailable
-from ray_ckpt.hosting.spec import import_factory
+from ray_ckpt.gym_server.spec import import_factory
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage import load_manifest, verify_checkpoint
 from ray_ckpt.storage.records.record import Record

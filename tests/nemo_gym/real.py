@@ -19,8 +19,8 @@ from pydantic import SecretStr
 
 from coordination import connect
 from coordination.handle import CoordinatorHandle
+from ray_ckpt.gym_server.spec import ServerSpec, settings_dict
 from ray_ckpt.hosting.host import relaunch_host, start_host, stop_host
-from ray_ckpt.hosting.spec import ServerSpec, settings_dict
 from ray_ckpt.settings import CheckpointSettings
 
 TOKEN = "nemo-real-token"

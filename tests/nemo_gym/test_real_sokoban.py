@@ -103,7 +103,7 @@ async def test_steps_past_the_end_answer_as_the_unwrapped_server(real: RealGym) 
     from resources_servers.grl_sokoban.app import GrlSokobanResourcesServer
 
     from participants.nemo_gym.factory import build_server
-    from ray_ckpt.hosting.serving import bind_socket, serve_app, socket_address
+    from ray_ckpt.gym_server.serving import bind_socket, serve_app, socket_address
 
     short = {**RESET, "max_steps": 3}  # terminal at the third step
     moves = MOVES[:5]

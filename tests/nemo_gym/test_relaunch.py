@@ -10,8 +10,8 @@ import signal
 import pytest
 from pydantic import SecretStr
 
+from ray_ckpt.gym_server.spec import ServerSpec, settings_dict
 from ray_ckpt.hosting.host import relaunch_host, start_host, stop_host
-from ray_ckpt.hosting.spec import ServerSpec, settings_dict
 from ray_ckpt.settings import CheckpointSettings
 from tests.actors import until_dead
 

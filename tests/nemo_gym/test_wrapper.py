@@ -21,7 +21,7 @@ from participants.nemo_gym import NemoGymServer, session_fields, wrap
 from ray_ckpt.control.asgi import ControlASGIMiddleware
 from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.errors import InvalidCheckpointState
-from ray_ckpt.hosting.serving import Serving, bind_socket, serve_app, socket_address
+from ray_ckpt.gym_server.serving import Serving, bind_socket, serve_app, socket_address
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.settings import CheckpointSettings
 from tests.nemo_gym.nemo_like import CounterServer, wait_entered

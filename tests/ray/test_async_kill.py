@@ -18,8 +18,8 @@ from coordination import connect
 from coordination.actor_options import COORDINATOR_NAME
 from coordination.cli_inspect import inspect_checkpoint
 from ray_ckpt.errors import CoordinationFailed
+from ray_ckpt.gym_server.spec import ServerSpec, settings_dict
 from ray_ckpt.hosting.host import start_host, stop_host
-from ray_ckpt.hosting.spec import ServerSpec, settings_dict
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.storage import read_gym_manifest
 

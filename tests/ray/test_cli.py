@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from pydantic import SecretStr
 
 from coordination.cli import main
+from ray_ckpt.gym_server.spec import ServerSpec, settings_dict
 from ray_ckpt.hosting.host import start_host, stop_host
-from ray_ckpt.hosting.spec import ServerSpec, settings_dict
 from ray_ckpt.settings import CheckpointSettings
 
 pytestmark = pytest.mark.ray

@@ -14,8 +14,8 @@ import ray
 
 from coordination.handle import connect
 from ray_ckpt.errors import CoordinationFailed
+from ray_ckpt.gym_server.spec import ServerSpec
 from ray_ckpt.hosting.host import start_host, stop_host
-from ray_ckpt.hosting.spec import ServerSpec
 from ray_ckpt.workers.routing import owner_index
 
 pytestmark = [pytest.mark.ray]

@@ -23,8 +23,8 @@ from ray_ckpt.errors import (
     StaleCheckpoint,
     Unauthorized,
 )
+from ray_ckpt.gym_server.spec import ServerSpec, current_node_id, settings_dict
 from ray_ckpt.hosting.host import get_host, start_host, stop_host
-from ray_ckpt.hosting.spec import ServerSpec, current_node_id, settings_dict
 from ray_ckpt.settings import CheckpointSettings
 from tests.actors import until_dead
 

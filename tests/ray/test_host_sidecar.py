@@ -16,10 +16,10 @@ from pydantic import SecretStr
 
 from ray_ckpt.control.client import ControlClient
 from ray_ckpt.errors import StaleCheckpoint
+from ray_ckpt.gym_server.serving import bind_socket, serve_app, socket_address
+from ray_ckpt.gym_server.spec import ServerSpec, settings_dict
 from ray_ckpt.hosting.host import start_host, stop_host
-from ray_ckpt.hosting.serving import bind_socket, serve_app, socket_address
 from ray_ckpt.hosting.sidecar import wrap_asgi_sidecar
-from ray_ckpt.hosting.spec import ServerSpec, settings_dict
 from ray_ckpt.settings import CheckpointSettings
 from tests.servers import SETTINGS_ENV, fastapi_server
 

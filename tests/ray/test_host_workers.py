@@ -9,8 +9,8 @@ import time
 
 import pytest
 
+from ray_ckpt.gym_server.spec import ServerSpec
 from ray_ckpt.hosting.host import start_host, stop_host
-from ray_ckpt.hosting.spec import ServerSpec
 
 pytestmark = [pytest.mark.ray]
 

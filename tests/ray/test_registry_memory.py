@@ -20,8 +20,8 @@ import pytest
 import ray
 
 from coordination.handle import connect
+from ray_ckpt.gym_server.spec import ServerSpec, settings_dict
 from ray_ckpt.hosting.host import start_host, stop_host
-from ray_ckpt.hosting.spec import ServerSpec, settings_dict
 from ray_ckpt.settings import CheckpointSettings
 from tests.ray.coord_actors import start_controlled
 

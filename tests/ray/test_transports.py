@@ -15,8 +15,8 @@ from pydantic import SecretStr
 
 from coordination.cli_inspect import inspect_checkpoint
 from coordination.handle import connect
+from ray_ckpt.gym_server.spec import ServerSpec, settings_dict
 from ray_ckpt.hosting.host import start_host, stop_host
-from ray_ckpt.hosting.spec import ServerSpec, settings_dict
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.storage import read_gym_manifest
 from tests.servers import SETTINGS_ENV

@@ -63,7 +63,7 @@ from ray_ckpt.errors import (
     ParticipantUnavailable,
     error_from_code,
 )
-from ray_ckpt.hosting.spec import ServerSpec, load_server
+from ray_ckpt.gym_server.spec import ServerSpec, load_server
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.reports import Receipt
 from ray_ckpt.settings import CheckpointSettings

@@ -24,7 +24,7 @@ from ray_ckpt.errors import (
     ReceiptsOff,
     UnknownReceipt,
 )
-from ray_ckpt.hosting.serving import bind_socket, serve_app, socket_address
+from ray_ckpt.gym_server.serving import bind_socket, serve_app, socket_address
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.reports import Receipt
 from ray_ckpt.settings import CheckpointSettings

@@ -89,3 +89,13 @@ def test_what_participants_report_imports_neither_steps_nor_control() -> None:
     assert not any(
         t.startswith(("ray_ckpt.steps", "ray_ckpt.control")) for t in graph["ray_ckpt.reports"]
     )
+
+
+def test_the_hosting_imports_the_workers_and_never_the_reverse() -> None:
+    # The host starts its worker plane; what both need (`ServerSpec`, serving
+    # an app) is `ray_ckpt.gym_server`, which imports neither.
+    graph = import_graph()
+    assert importers(graph, of="ray_ckpt.hosting", in_="ray_ckpt.workers") == []
+    assert importers(graph, of="ray_ckpt.hosting", in_="ray_ckpt.gym_server") == []
+    assert importers(graph, of="ray_ckpt.workers", in_="ray_ckpt.gym_server") == []
+    assert "ray_ckpt.workers.plane" in graph["ray_ckpt.hosting.host"]

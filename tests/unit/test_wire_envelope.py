@@ -24,7 +24,7 @@ from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.control.routes import CHECKPOINT_ROUTE_PREFIX, maybe_install_control_routes
 from ray_ckpt.control.wire import OPERATIONS
 from ray_ckpt.errors import CheckpointError, NotFound
-from ray_ckpt.hosting.serving import bind_socket, serve_app, socket_address
+from ray_ckpt.gym_server.serving import bind_socket, serve_app, socket_address
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.settings import CheckpointSettings
 

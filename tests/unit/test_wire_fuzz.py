@@ -41,7 +41,7 @@ from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.control.routes import CHECKPOINT_ROUTE_PREFIX, maybe_install_control_routes
 from ray_ckpt.control.wire import OPERATIONS
 from ray_ckpt.errors import CheckpointError
-from ray_ckpt.hosting.serving import Serving, bind_socket, serve_app, socket_address
+from ray_ckpt.gym_server.serving import Serving, bind_socket, serve_app, socket_address
 from ray_ckpt.identity import MAX_ID_LENGTH, EpisodeId
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.storage import read_participant

@@ -14,8 +14,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from ray_ckpt.gym_server.spec import ServerSpec
 from ray_ckpt.hosting.host import ParticipantHost
-from ray_ckpt.hosting.spec import ServerSpec
 
 TOKEN = "workers-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

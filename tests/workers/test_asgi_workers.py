@@ -8,8 +8,8 @@ from typing import Any
 
 import aiohttp
 
+from ray_ckpt.gym_server.spec import ServerSpec
 from ray_ckpt.hosting.host import ParticipantHost
-from ray_ckpt.hosting.spec import ServerSpec
 from ray_ckpt.workers.front import FORWARDED_HEADER
 from tests.workers.conftest import AUTH, TOKEN, body
 

@@ -19,8 +19,8 @@ from coordination.order import Member
 from ray_ckpt.control.client import ControlClient
 from ray_ckpt.control.routes import CHECKPOINT_ROUTE_PREFIX
 from ray_ckpt.errors import CoordinationFailed
+from ray_ckpt.gym_server.serving import bind_socket, serve_app, socket_address
 from ray_ckpt.hosting.host import ParticipantHost
-from ray_ckpt.hosting.serving import bind_socket, serve_app, socket_address
 from ray_ckpt.workers.detect import UnmanagedWorkers, refuse_unmanaged_workers
 from tests.servers import SETTINGS_ENV
 from tests.workers.conftest import AUTH, TOKEN, StartHost

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from ray_ckpt.gym_server.spec import ROLLOUT
 from ray_ckpt.workers.front import WorkerFront
-from ray_ckpt.workers.routing import ROLLOUT
 
 
 def test_an_older_peer_table_never_replaces_a_newer_one() -> None:

@@ -216,7 +216,7 @@ async def test_a_stateless_server_never_blocks_and_a_shared_port_spreads(
 
 
 async def test_a_server_whose_workers_cannot_start_fails_the_host_start() -> None:
-    from ray_ckpt.hosting.spec import ServerSpec
+    from ray_ckpt.gym_server.spec import ServerSpec
 
     # The factory raises in every worker: they exit before their hello.
     spec = ServerSpec(
@@ -235,7 +235,7 @@ async def test_a_server_whose_workers_cannot_start_fails_the_host_start() -> Non
 
 
 async def test_with_checkpointing_off_workers_just_serve(http: aiohttp.ClientSession) -> None:
-    from ray_ckpt.hosting.spec import ServerSpec
+    from ray_ckpt.gym_server.spec import ServerSpec
 
     spec = ServerSpec(
         kind="resources",

@@ -7,7 +7,7 @@ import asyncio
 import os
 import signal
 
-from ray_ckpt.hosting.serving import bind_socket
+from ray_ckpt.gym_server.serving import bind_socket
 from ray_ckpt.workers.plane import WorkerPlane
 from tests.workers.conftest import spec
 

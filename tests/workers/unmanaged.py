@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 
-from ray_ckpt.hosting.serving import bind_socket, serve_app, socket_address
+from ray_ckpt.gym_server.serving import bind_socket, serve_app, socket_address
 from ray_ckpt.hosting.sidecar import install_sidecar, wrap_asgi_sidecar
 from ray_ckpt.settings import CheckpointSettings
 from tests.servers import SETTINGS_ENV, AiohttpTableServer, FastAPITableServer

@@ -7,7 +7,7 @@ needs).  Its `factory` is an importable ``"module:function"`` called as
 A spec with a `url` instead names a server that runs in its own process
 (sidecar mode, see `ray_ckpt.hosting.sidecar`).
 
-How an app is served is `ray_ckpt.hosting.serving`.
+How an app is served is `ray_ckpt.gym_server.serving`.
 """
 
 from __future__ import annotations
@@ -22,10 +22,14 @@ from aiohttp import web
 from ray_ckpt.control.asgi import ASGIApp
 from ray_ckpt.control.protocol import KINDS, Participant
 from ray_ckpt.settings import CheckpointSettings
-from ray_ckpt.workers.routing import SPREADING
 
 # Worker processes per host: a bound, not a tuning (each is a full server copy).
 MAX_WORKERS = 64
+# How a server with workers spreads its requests (`ray_ckpt.workers.routing`):
+# any worker takes any request, or the worker that owns the rollout serves it.
+SHARED = "shared"
+ROLLOUT = "rollout"
+SPREADING = (SHARED, ROLLOUT)
 
 if TYPE_CHECKING:
     from ray_ckpt.control.controller import ParticipantController
@@ -104,7 +108,7 @@ class ServerSpec(msgspec.Struct, frozen=True, kw_only=True):
     # how requests spread over them ("shared" or "rollout"), and whether the
     # server holds no per-episode state (then it never blocks a checkpoint).
     workers: int = 1
-    spreading: str = "shared"
+    spreading: str = SHARED
     stateless: bool = False
 
     def __post_init__(self) -> None:
