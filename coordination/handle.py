@@ -26,18 +26,25 @@ message, never a remote traceback.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterable
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from coordination import roots
 from coordination.connect import aconnect, connect
 from coordination.drain_control import DrainStatus, Relauncher
 from coordination.handle_members import MemberCalls
 from coordination.handle_receipts import ReceiptCalls
+from coordination.options import CheckpointOptions, Durability
 from coordination.pending import PendingCheckpoint
 from coordination.periodic import DEFAULT_PREFIX
-from coordination.remote import CoordinatorCalls, EpisodeLike, episodes, restore_args
+from coordination.remote import (
+    Call,
+    CoordinatorCalls,
+    EpisodeLike,
+    episodes,
+    restore_args,
+    twins,
+)
 from coordination.results import (
     CheckpointResult,
     CommitResult,
@@ -51,25 +58,37 @@ from coordination.results import (
 )
 from coordination.signals import DEFAULT_GRACE_S as SIGNAL_GRACE_S
 from coordination.signals import DEFAULT_SIGNALS, SignalCheckpointing
+from ray_ckpt.errors import InvalidRequest
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage.root.catalog import CheckpointEntry
 from ray_ckpt.storage.root.retention import DEFAULT_GRACE_S, GcPlan
 
-__all__ = ["CoordinatorHandle", "EpisodeLike", "aconnect", "connect", "episodes"]
+__all__ = [
+    "CheckpointOptions",
+    "CoordinatorHandle",
+    "EpisodeLike",
+    "aconnect",
+    "connect",
+    "episodes",
+]
+
+# What a checkpoint returns: resumed and durable, or (`durability="async"`) pending.
+Reply = CheckpointResult | PendingCheckpoint
 
 
 class CoordinatorHandle(MemberCalls, ReceiptCalls):
     def __init__(self, actor: Any, namespace: str) -> None:
         self.actor = actor
         self.namespace = namespace
-        calls = CoordinatorCalls(actor)
-        self._sync, self._async = calls.sync, calls.call
+        self._calls = CoordinatorCalls(actor)
+
+    # Each operation once (`_name`: the call it makes and how its reply is
+    # shaped); `twins` makes the blocking `name` and its `aname` of it.
 
     # --- checkpoint ------------------------------------------------------------
-    @overload
-    def checkpoint(
+    def _checkpoint(
         self,
-        checkpoint_dir: str,
+        checkpoint_dir: str | CheckpointOptions,
         scope: Iterable[EpisodeLike] | None = None,
         *,
         resume: bool = True,
@@ -79,37 +98,8 @@ class CoordinatorHandle(MemberCalls, ReceiptCalls):
         strict: bool = False,
         total_s: float | None = None,
         trigger: str = "manual",
-        durability: Literal["sync"] = "sync",
-    ) -> CheckpointResult: ...
-    @overload
-    def checkpoint(
-        self,
-        checkpoint_dir: str,
-        scope: Iterable[EpisodeLike] | None = None,
-        *,
-        resume: bool = True,
-        stop: bool = False,
-        prepare_s: float | None = None,
-        commit_s: float | None = None,
-        strict: bool = False,
-        total_s: float | None = None,
-        trigger: str = "manual",
-        durability: Literal["async"],
-    ) -> PendingCheckpoint: ...
-    def checkpoint(
-        self,
-        checkpoint_dir: str,
-        scope: Iterable[EpisodeLike] | None = None,
-        *,
-        resume: bool = True,
-        stop: bool = False,
-        prepare_s: float | None = None,
-        commit_s: float | None = None,
-        strict: bool = False,
-        total_s: float | None = None,
-        trigger: str = "manual",
-        durability: Literal["sync", "async"] = "sync",
-    ) -> CheckpointResult | PendingCheckpoint:
+        durability: Durability = "sync",
+    ) -> Call[Reply]:
         """prepare → commit (scope) → Gym manifest → resume; `resume=False` keeps it
         open for publishing (call `resume()` after).  The result's `continued` and
         `restart` say which episodes of the scope have state and which start over;
@@ -121,102 +111,114 @@ class CoordinatorHandle(MemberCalls, ReceiptCalls):
         labels its metrics and its timeline.  `durability="async"` returns once
         the Gym is resumed (the records captured, still being written) with a
         `PendingCheckpoint`: its `durable()` returns when every write is
-        durable and the Gym manifest written; publish your own checkpoint after."""
-        res: CheckpointResult = self._sync(
-            "checkpoint",
-            str(checkpoint_dir),
-            episodes(scope),
-            resume,
-            stop,
-            prepare_s,
-            commit_s,
-            strict,
-            total_s,
-            trigger,
-            durability,
+        durable and the Gym manifest written; publish your own checkpoint after.
+        The options may come as one `CheckpointOptions` instead (no keywords
+        then); the coordinator checks them before anyone is paused."""
+        asked = CheckpointOptions(
+            checkpoint_dir=str(checkpoint_dir),
+            scope=episodes(scope),
+            resume=resume,
+            stop=stop,
+            prepare_s=prepare_s,
+            commit_s=commit_s,
+            strict=strict,
+            total_s=total_s,
+            trigger=trigger,
+            durability=durability,
         )
-        return self._pending(res) if res.pending else res
+        if isinstance(checkpoint_dir, CheckpointOptions):
+            asked = _given_whole(checkpoint_dir, asked)
+        return Call("checkpoint", asked).then(self._pending_if_async)
 
-    @overload
-    async def acheckpoint(
-        self,
-        checkpoint_dir: str,
-        scope: Iterable[EpisodeLike] | None = None,
-        *,
-        resume: bool = True,
-        stop: bool = False,
-        prepare_s: float | None = None,
-        commit_s: float | None = None,
-        strict: bool = False,
-        total_s: float | None = None,
-        trigger: str = "manual",
-        durability: Literal["sync"] = "sync",
-    ) -> CheckpointResult: ...
-    @overload
-    async def acheckpoint(
-        self,
-        checkpoint_dir: str,
-        scope: Iterable[EpisodeLike] | None = None,
-        *,
-        resume: bool = True,
-        stop: bool = False,
-        prepare_s: float | None = None,
-        commit_s: float | None = None,
-        strict: bool = False,
-        total_s: float | None = None,
-        trigger: str = "manual",
-        durability: Literal["async"],
-    ) -> PendingCheckpoint: ...
-    async def acheckpoint(
-        self,
-        checkpoint_dir: str,
-        scope: Iterable[EpisodeLike] | None = None,
-        *,
-        resume: bool = True,
-        stop: bool = False,
-        prepare_s: float | None = None,
-        commit_s: float | None = None,
-        strict: bool = False,
-        total_s: float | None = None,
-        trigger: str = "manual",
-        durability: Literal["sync", "async"] = "sync",
-    ) -> CheckpointResult | PendingCheckpoint:
-        res: CheckpointResult = await self._async(
-            "checkpoint",
-            str(checkpoint_dir),
-            episodes(scope),
-            resume,
-            stop,
-            prepare_s,
-            commit_s,
-            strict,
-            total_s,
-            trigger,
-            durability,
-        )
-        return self._pending(res) if res.pending else res
+    if TYPE_CHECKING:
+        # What `twins` makes of `_checkpoint`, typed by `durability` (overloads
+        # do not pass through a ParamSpec).
+        @overload
+        def checkpoint(self, checkpoint_dir: CheckpointOptions) -> Reply: ...
+        @overload
+        def checkpoint(
+            self,
+            checkpoint_dir: str,
+            scope: Iterable[EpisodeLike] | None = None,
+            *,
+            resume: bool = True,
+            stop: bool = False,
+            prepare_s: float | None = None,
+            commit_s: float | None = None,
+            strict: bool = False,
+            total_s: float | None = None,
+            trigger: str = "manual",
+            durability: Literal["sync"] = "sync",
+        ) -> CheckpointResult: ...
+        @overload
+        def checkpoint(
+            self,
+            checkpoint_dir: str,
+            scope: Iterable[EpisodeLike] | None = None,
+            *,
+            resume: bool = True,
+            stop: bool = False,
+            prepare_s: float | None = None,
+            commit_s: float | None = None,
+            strict: bool = False,
+            total_s: float | None = None,
+            trigger: str = "manual",
+            durability: Literal["async"],
+        ) -> PendingCheckpoint: ...
+        def checkpoint(self, *args: Any, **kwargs: Any) -> Any: ...
+        @overload
+        async def acheckpoint(self, checkpoint_dir: CheckpointOptions) -> Reply: ...
+        @overload
+        async def acheckpoint(
+            self,
+            checkpoint_dir: str,
+            scope: Iterable[EpisodeLike] | None = None,
+            *,
+            resume: bool = True,
+            stop: bool = False,
+            prepare_s: float | None = None,
+            commit_s: float | None = None,
+            strict: bool = False,
+            total_s: float | None = None,
+            trigger: str = "manual",
+            durability: Literal["sync"] = "sync",
+        ) -> CheckpointResult: ...
+        @overload
+        async def acheckpoint(
+            self,
+            checkpoint_dir: str,
+            scope: Iterable[EpisodeLike] | None = None,
+            *,
+            resume: bool = True,
+            stop: bool = False,
+            prepare_s: float | None = None,
+            commit_s: float | None = None,
+            strict: bool = False,
+            total_s: float | None = None,
+            trigger: str = "manual",
+            durability: Literal["async"],
+        ) -> PendingCheckpoint: ...
+        async def acheckpoint(self, *args: Any, **kwargs: Any) -> Any: ...
+    else:
+        checkpoint, acheckpoint = twins(_checkpoint)
 
-    def _pending(self, res: CheckpointResult) -> PendingCheckpoint:
+    def _pending_if_async(self, res: CheckpointResult) -> Reply:
+        if not res.pending:
+            return res
         return PendingCheckpoint(res, self.actor.durable.remote(res.checkpoint_id))
 
-    def durable(self, checkpoint_id: str) -> DurableResult:
+    def _durable(self, checkpoint_id: str) -> Call[DurableResult]:
         """Wait for an asynchronous checkpoint by ID (the coordinator keeps the last 8)."""
-        res: DurableResult = self._sync("durable", checkpoint_id)
-        return res
+        return Call("durable", checkpoint_id)
 
-    async def adurable(self, checkpoint_id: str) -> DurableResult:
-        res: DurableResult = await self._async("durable", checkpoint_id)
-        return res
+    durable, adurable = twins(_durable)
 
-    def prepare(self, deadline_s: float | None = None) -> PrepareResult:
-        res: PrepareResult = self._sync("prepare", deadline_s)
-        return res
+    def _prepare(self, deadline_s: float | None = None) -> Call[PrepareResult]:
+        return Call("prepare", deadline_s)
 
-    async def aprepare(self, deadline_s: float | None = None) -> PrepareResult:
-        res: PrepareResult = await self._async("prepare", deadline_s)
-        return res
+    prepare, aprepare = twins(_prepare)
 
-    def commit(
+    def _commit(
         self,
         checkpoint_dir: str,
         scope: Iterable[EpisodeLike] | None = None,
@@ -224,44 +226,23 @@ class CoordinatorHandle(MemberCalls, ReceiptCalls):
         stop: bool = False,
         strict: bool = False,
         deadline_s: float | None = None,
-    ) -> CommitResult:
-        res: CommitResult = self._sync(
-            "commit", str(checkpoint_dir), episodes(scope), stop, deadline_s, strict=strict
-        )
-        return res
+    ) -> Call[CommitResult]:
+        return Call("commit", str(checkpoint_dir), episodes(scope), stop, deadline_s, strict=strict)
 
-    async def acommit(
-        self,
-        checkpoint_dir: str,
-        scope: Iterable[EpisodeLike] | None = None,
-        *,
-        stop: bool = False,
-        strict: bool = False,
-        deadline_s: float | None = None,
-    ) -> CommitResult:
-        res: CommitResult = await self._async(
-            "commit", str(checkpoint_dir), episodes(scope), stop, deadline_s, strict=strict
-        )
-        return res
+    commit, acommit = twins(_commit)
 
-    def resume(self, deadline_s: float | None = None) -> ResumeResult:
-        res: ResumeResult = self._sync("resume", deadline_s)
-        return res
+    def _resume(self, deadline_s: float | None = None) -> Call[ResumeResult]:
+        return Call("resume", deadline_s)
 
-    async def aresume(self, deadline_s: float | None = None) -> ResumeResult:
-        res: ResumeResult = await self._async("resume", deadline_s)
-        return res
+    resume, aresume = twins(_resume)
 
-    def renew(self) -> dict[str, float | None]:
-        res: dict[str, float | None] = self._sync("renew")
-        return res
+    def _renew(self) -> Call[dict[str, float | None]]:
+        return Call("renew")
 
-    async def arenew(self) -> dict[str, float | None]:
-        res: dict[str, float | None] = await self._async("renew")
-        return res
+    renew, arenew = twins(_renew)
 
     # --- restore / retire / forget ---------------------------------------------
-    def restore(
+    def _restore(
         self,
         checkpoint_dir: str,
         episode_ids: Iterable[EpisodeLike] | Literal["latest"] | None = None,
@@ -270,7 +251,7 @@ class CoordinatorHandle(MemberCalls, ReceiptCalls):
         allow_without_gym_manifest: bool = False,
         latest: bool = False,
         deadline_s: float | None = None,
-    ) -> RestoreResult:
+    ) -> Call[RestoreResult]:
         """Restore `episode_ids` (None: every episode the checkpoint lists).
 
         `restore(root, "latest")` (or `latest=True` with episodes): the newest
@@ -280,7 +261,7 @@ class CoordinatorHandle(MemberCalls, ReceiptCalls):
         wrote (participant manifests only, no ``gym/_manifest.json``), after
         checking each participant's manifest is there, complete and of one ID."""
         eps, latest = restore_args(episode_ids, latest)
-        res: RestoreResult = self._sync(
+        return Call(
             "restore",
             str(checkpoint_dir),
             eps,
@@ -289,72 +270,78 @@ class CoordinatorHandle(MemberCalls, ReceiptCalls):
             allow_without_gym_manifest=allow_without_gym_manifest,
             latest=latest,
         )
-        return res
 
-    async def arestore(
-        self,
-        checkpoint_dir: str,
-        episode_ids: Iterable[EpisodeLike] | Literal["latest"] | None = None,
-        *,
-        resume: bool = True,
-        allow_without_gym_manifest: bool = False,
-        latest: bool = False,
-        deadline_s: float | None = None,
-    ) -> RestoreResult:
-        eps, latest = restore_args(episode_ids, latest)
-        res: RestoreResult = await self._async(
-            "restore",
-            str(checkpoint_dir),
-            eps,
-            resume,
-            deadline_s,
-            allow_without_gym_manifest=allow_without_gym_manifest,
-            latest=latest,
-        )
-        return res
+    restore, arestore = twins(_restore)
+
+    def _retire(
+        self, rollout: str, attempt: int = 0, *, deadline_s: float | None = None
+    ) -> Call[RetireResult]:
+        return Call("retire", [EpisodeId(rollout, attempt)], deadline_s)
+
+    retire, aretire = twins(_retire)
+
+    def _retire_many(
+        self, episode_ids: Iterable[EpisodeLike], *, deadline_s: float | None = None
+    ) -> Call[RetireResult]:
+        return Call("retire", episodes(episode_ids), deadline_s)
+
+    retire_many, aretire_many = twins(_retire_many)
+
+    def _forget(
+        self, rollout_ids: Iterable[str], *, deadline_s: float | None = None
+    ) -> Call[ForgetResult]:
+        return Call("forget", list(rollout_ids), deadline_s)
+
+    forget, aforget = twins(_forget)
 
     # --- periodic checkpoints, listing, retention --------------------------------
-    def start_periodic(
+    def _start_periodic(
         self,
         root: str,
         *,
         every_s: float,
         keep_latest_k: int | None = None,
         prefix: str = DEFAULT_PREFIX,
-    ) -> PeriodicStatus:
+    ) -> Call[PeriodicStatus]:
         """Checkpoint every `every_s` into `<root>/<prefix><UTC time>` (scope: the
         assembler's `scope_method`, else every episode), keeping the
         `keep_latest_k` newest complete ones.  One loop at a time: another
         while one runs is `CheckpointConflict` (the same one again is a no-op)."""
-        res: PeriodicStatus = self._sync(
-            "start_periodic", str(root), every_s, keep_latest_k, prefix
-        )
-        return res
+        return Call("start_periodic", str(root), every_s, keep_latest_k, prefix)
 
-    async def astart_periodic(
-        self,
-        root: str,
-        *,
-        every_s: float,
-        keep_latest_k: int | None = None,
-        prefix: str = DEFAULT_PREFIX,
-    ) -> PeriodicStatus:
-        res: PeriodicStatus = await self._async(
-            "start_periodic", str(root), every_s, keep_latest_k, prefix
-        )
-        return res
+    start_periodic, astart_periodic = twins(_start_periodic)
 
-    def stop_periodic(self) -> PeriodicStatus | None:
+    def _stop_periodic(self) -> Call[PeriodicStatus | None]:
         """Stop after the checkpoint in flight; the final counts (None if none ran)."""
-        res: PeriodicStatus | None = self._sync("stop_periodic")
-        return res
+        return Call("stop_periodic")
 
-    async def astop_periodic(self) -> PeriodicStatus | None:
-        res: PeriodicStatus | None = await self._async("stop_periodic")
-        return res
+    stop_periodic, astop_periodic = twins(_stop_periodic)
+
+    def _list_checkpoints(self, root: str) -> Call[list[CheckpointEntry]]:
+        """The checkpoints under `root`, oldest first (read here, not by the coordinator)."""
+        return Call(roots.list_root, str(root))
+
+    list_checkpoints, alist_checkpoints = twins(_list_checkpoints)
+
+    def _gc(
+        self, root: str, *, keep: int, dry_run: bool = False, grace_s: float = DEFAULT_GRACE_S
+    ) -> Call[GcPlan]:
+        """Keep the `keep` newest complete checkpoints under `root` (see
+        `ray_ckpt.storage.retention`); `dry_run` only plans."""
+        return Call(roots.gc_root, str(root), keep, dry_run=dry_run, grace_s=grace_s)
+
+    gc, agc = twins(_gc)
+
+    def _timeline(self, which: str = "latest") -> Call[dict[str, Any]]:
+        """The newest checkpoint ("latest") or one of the last 16 checkpoints and
+        restores by ID, as a Chrome trace / Perfetto JSON object (one row per
+        participant); `InvalidRequest` if the coordinator no longer keeps it."""
+        return Call("timeline", which)
+
+    timeline, atimeline = twins(_timeline)
 
     # --- Ray node drains (coordination.drain_control) ---------------------------
-    def start_drain_watch(
+    def _start_drain_watch(
         self,
         root: str,
         relaunch: Relauncher,
@@ -363,50 +350,30 @@ class CoordinatorHandle(MemberCalls, ReceiptCalls):
         min_budget_s: float | None = None,
         margin_s: float | None = None,
         prefix: str = DEFAULT_PREFIX,
-    ) -> DrainStatus:
+    ) -> Call[DrainStatus]:
         """The coordinator watches Ray's draining nodes: when one holding Gym
         hosts drains, it checkpoints under `root` with `stop` inside the
         deadline, calls `relaunch(hosts, avoid)` (a picklable async callable,
         e.g. `participants.fleet_relaunch.FleetRelauncher`: every host fresh,
         none on `avoid`) and restores the whole Gym; `drain_status()` lists
         each outcome.  A deadline too short is reported; nothing is published."""
-        res: DrainStatus = self._sync(
+        return Call(
             "start_drain_watch", str(root), relaunch, poll_s, min_budget_s, margin_s, prefix
         )
-        return res
 
-    async def astart_drain_watch(
-        self,
-        root: str,
-        relaunch: Relauncher,
-        *,
-        poll_s: float = 1.0,
-        min_budget_s: float | None = None,
-        margin_s: float | None = None,
-        prefix: str = DEFAULT_PREFIX,
-    ) -> DrainStatus:
-        res: DrainStatus = await self._async(
-            "start_drain_watch", str(root), relaunch, poll_s, min_budget_s, margin_s, prefix
-        )
-        return res
+    start_drain_watch, astart_drain_watch = twins(_start_drain_watch)
 
-    def stop_drain_watch(self) -> DrainStatus:
-        res: DrainStatus = self._sync("stop_drain_watch")
-        return res
+    def _stop_drain_watch(self) -> Call[DrainStatus]:
+        return Call("stop_drain_watch")
 
-    async def astop_drain_watch(self) -> DrainStatus:
-        res: DrainStatus = await self._async("stop_drain_watch")
-        return res
+    stop_drain_watch, astop_drain_watch = twins(_stop_drain_watch)
 
-    def drain_status(self) -> DrainStatus:
-        res: DrainStatus = self._sync("drain_status")
-        return res
+    def _drain_status(self) -> Call[DrainStatus]:
+        return Call("drain_status")
 
-    async def adrain_status(self) -> DrainStatus:
-        res: DrainStatus = await self._async("drain_status")
-        return res
+    drain_status, adrain_status = twins(_drain_status)
 
-    # --- checkpoints on a signal (coordination.signals) --------------------------
+    # --- checkpoints on a signal (coordination.signals): no async twin ----------
     def checkpoint_on_signal(
         self,
         root: str,
@@ -432,70 +399,12 @@ class CoordinatorHandle(MemberCalls, ReceiptCalls):
             current.uninstall()
             self._on_signal = None
 
-    def list_checkpoints(self, root: str) -> list[CheckpointEntry]:
-        """The checkpoints under `root`, oldest first (read here, not by the coordinator)."""
-        return roots.list_root(str(root))
 
-    async def alist_checkpoints(self, root: str) -> list[CheckpointEntry]:
-        return await asyncio.to_thread(roots.list_root, str(root))
-
-    def gc(
-        self, root: str, *, keep: int, dry_run: bool = False, grace_s: float = DEFAULT_GRACE_S
-    ) -> GcPlan:
-        """Keep the `keep` newest complete checkpoints under `root` (see
-        `ray_ckpt.storage.root.retention`); `dry_run` only plans."""
-        return roots.gc_root(str(root), keep, dry_run=dry_run, grace_s=grace_s)
-
-    async def agc(
-        self, root: str, *, keep: int, dry_run: bool = False, grace_s: float = DEFAULT_GRACE_S
-    ) -> GcPlan:
-        return await asyncio.to_thread(
-            roots.gc_root, str(root), keep, dry_run=dry_run, grace_s=grace_s
+def _given_whole(options: CheckpointOptions, keywords: CheckpointOptions) -> CheckpointOptions:
+    """`options` as given, unless keywords were given next to it (which would
+    otherwise be dropped without a word)."""
+    if keywords != CheckpointOptions(checkpoint_dir=keywords.checkpoint_dir):
+        raise InvalidRequest(
+            "give the checkpoint's options as one CheckpointOptions or as keywords, not both"
         )
-
-    def retire(
-        self, rollout: str, attempt: int = 0, *, deadline_s: float | None = None
-    ) -> RetireResult:
-        res: RetireResult = self._sync("retire", [EpisodeId(rollout, attempt)], deadline_s)
-        return res
-
-    async def aretire(
-        self, rollout: str, attempt: int = 0, *, deadline_s: float | None = None
-    ) -> RetireResult:
-        res: RetireResult = await self._async("retire", [EpisodeId(rollout, attempt)], deadline_s)
-        return res
-
-    def retire_many(
-        self, episode_ids: Iterable[EpisodeLike], *, deadline_s: float | None = None
-    ) -> RetireResult:
-        res: RetireResult = self._sync("retire", episodes(episode_ids), deadline_s)
-        return res
-
-    async def aretire_many(
-        self, episode_ids: Iterable[EpisodeLike], *, deadline_s: float | None = None
-    ) -> RetireResult:
-        res: RetireResult = await self._async("retire", episodes(episode_ids), deadline_s)
-        return res
-
-    def forget(
-        self, rollout_ids: Iterable[str], *, deadline_s: float | None = None
-    ) -> ForgetResult:
-        res: ForgetResult = self._sync("forget", list(rollout_ids), deadline_s)
-        return res
-
-    async def aforget(
-        self, rollout_ids: Iterable[str], *, deadline_s: float | None = None
-    ) -> ForgetResult:
-        res: ForgetResult = await self._async("forget", list(rollout_ids), deadline_s)
-        return res
-
-    def timeline(self, which: str = "latest") -> dict[str, Any]:
-        """The newest checkpoint ("latest") or one of the last 16 checkpoints and
-        restores by ID, as a Chrome trace / Perfetto JSON object (one row per
-        participant); `InvalidRequest` if the coordinator no longer keeps it."""
-        res: dict[str, Any] = self._sync("timeline", which)
-        return res
-
-    async def atimeline(self, which: str = "latest") -> dict[str, Any]:
-        res: dict[str, Any] = await self._async("timeline", which)
-        return res
+    return options

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordination.baseline import Trigger
+from coordination.options import CheckpointOptions
 from coordination.periodic import DEFAULT_PREFIX, checkpoint_name, episode_list, error_body
 from coordination.signal_budget import (
     CONTINUE_SIGNALS,
@@ -57,6 +58,7 @@ from coordination.signal_budget import (
     cut_budget,
 )
 from ray_ckpt.errors import DeadlineExceeded, InvalidRequest
+from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage.blobstore.locations import join_location, open_location
 
 log = logging.getLogger(__name__)
@@ -91,7 +93,8 @@ class _Run:
 
 
 class SignalCheckpointing:
-    """See the module doc.  `handle` is a `CoordinatorHandle` (its `acheckpoint`)."""
+    """See the module doc.  `handle` is a `CoordinatorHandle` (its `acheckpoint`,
+    given one `CheckpointOptions`)."""
 
     def __init__(
         self,
@@ -241,14 +244,16 @@ class SignalCheckpointing:
             episodes = len(scope) if scope is not None else 0
             async with asyncio.timeout(budget.wait_s):
                 result = await self.handle.acheckpoint(
-                    run.location,
-                    scope,
-                    resume=not run.stop,
-                    stop=run.stop,
-                    prepare_s=budget.prepare_s,
-                    commit_s=budget.commit_s,
-                    total_s=budget.total_s,
-                    trigger=Trigger.SIGNAL.value,
+                    CheckpointOptions(
+                        checkpoint_dir=run.location,
+                        scope=scope,
+                        resume=not run.stop,
+                        stop=run.stop,
+                        prepare_s=budget.prepare_s,
+                        commit_s=budget.commit_s,
+                        total_s=budget.total_s,
+                        trigger=Trigger.SIGNAL.value,
+                    )
                 )
         except TimeoutError:
             error = error_body(DeadlineExceeded(f"not complete inside {self.grace_s:g}s"))
@@ -288,7 +293,7 @@ class SignalCheckpointing:
         if stop_sig is not None:
             self._stopped(stop_sig, outcome)
 
-    def _scope(self) -> list[Any] | None:
+    def _scope(self) -> list[EpisodeId] | None:
         scope = self.scope() if callable(self.scope) else self.scope
         return None if scope is None else episode_list(scope)
 
