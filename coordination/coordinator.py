@@ -33,14 +33,15 @@ from coordination.actor_options import (
 from coordination.baseline import Trigger
 from coordination.drain_control import DrainControl, DrainStatus, Relauncher
 from coordination.engine import CoordinatorCore
-from coordination.hosts import Host
-from coordination.journal import open_journal
+from coordination.gcs import open_journal
+from coordination.host import Host
 from coordination.membership import KindMismatch
-from coordination.metrics import CoordinatorMetrics, ray_sink
+from coordination.metrics import CoordinatorMetrics
 from coordination.options import CheckpointOptions
 from coordination.order import Member
 from coordination.periodic import DEFAULT_PREFIX, AssemblerScope
 from coordination.periodic_control import PeriodicControl, PeriodicMemory
+from coordination.ray_metrics import ray_sink
 from coordination.receipts import AckResult, CollectResult
 from coordination.registration import (
     discover_named,

@@ -50,7 +50,7 @@ from typing import Any
 from coordination.baseline import GymBaseline, Trigger
 from coordination.calls import coordination_failed, episode_body, new_id, reply_timeout
 from coordination.fanout import Outcome, failure, fan_out
-from coordination.hosts import Host, PauseTarget
+from coordination.host import Host, PauseTarget
 from coordination.journal import Journal, JournalEntry, JournalStore, encode
 from coordination.manifests import (
     DirectoryGuard,

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordination.hosts import Host
+from coordination.host import Host
 from coordination.replies import blocker_count, blocker_details, blocker_keys
 from ray_ckpt import tracing
 from ray_ckpt.errors import CheckpointError, DeadlineExceeded, ParticipantUnavailable

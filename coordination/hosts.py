@@ -10,7 +10,9 @@ or `ParticipantUnavailable` when it is dead or unreachable.  Cancelling a call
 cancels the remote work too (`ray.cancel` for an actor task).
 
 The trainer and trajectory-assembler actors the coordinator pauses are
-wrapped here as well (`RayPauseTarget`, `FakePauseTarget`).
+wrapped here as well (`RayPauseTarget`, `FakePauseTarget`).  What the engine
+needs of each is a protocol of its own (`coordination.host`): the engine
+imports no transport.
 """
 
 from __future__ import annotations
@@ -19,32 +21,15 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any
 
+from coordination.host import ControlTarget
 from coordination.order import Member
 from ray_ckpt.control.client import ControlClient
 from ray_ckpt.errors import CheckpointError, ParticipantUnavailable
 
 Log = list[tuple[float, str, str, str]]  # (monotonic time, event, who, op)
-
-
-class Host(Protocol):
-    member: Member
-    # True once a call found the participant gone for good (its actor died);
-    # the driver then drops it from the members.  Never set for a participant
-    # that is only unreachable (it may come back).
-    gone: bool
-
-    async def call(self, op: str, body: Mapping[str, Any]) -> dict[str, Any]: ...
-
-    async def status(self) -> dict[str, Any]: ...
-
-    def describe(self) -> dict[str, Any]:
-        """How to find this participant again (journalled; never a secret)."""
-        ...
-
-    async def aclose(self) -> None: ...
 
 
 def _unwrap_ray_error(exc: BaseException, what: str) -> CheckpointError:
@@ -157,12 +142,6 @@ class HttpHost:
         await self.client.aclose()
 
 
-class ControlTarget(Protocol):
-    async def handle(self, op: str, body: dict[str, Any]) -> dict[str, Any]: ...
-
-    def status(self) -> dict[str, Any]: ...
-
-
 class FakeHost:
     """In-process participant for unit tests, with faults on demand.
 
@@ -246,14 +225,6 @@ class FakeHost:
 # --- controller-side pause targets -------------------------------------------
 
 
-class PauseTarget(Protocol):
-    role: str  # "trainer" or "assembler"
-
-    async def pause(self, checkpoint_id: str, deadline_s: float) -> Any: ...
-
-    async def resume(self, checkpoint_id: str) -> Any: ...
-
-
 class RayPauseTarget:
     """A trainer or assembler actor; method names are configurable so existing
     methods (e.g. a collector's own pause/resume) can be registered as they are."""
@@ -303,8 +274,3 @@ class FakePauseTarget:
         self.log.append((time.monotonic(), "resume", self.role, checkpoint_id))
         self.paused = None
         return {"resumed": True}
-
-
-async def gather_settled(aws: list[Awaitable[Any]]) -> list[Any]:
-    """Await everything; results or the exceptions raised (never cancels siblings)."""
-    return list(await asyncio.gather(*aws, return_exceptions=True))

@@ -11,9 +11,9 @@ recovery would do the same anyway (a checkpoint's "prepared", its resume)
 changes the entry in memory only (`PhaseDriver._record(durable=False)`), so
 the pause pays no write for nothing.
 
-Where it lives (`open_journal`):
+Where it lives (`coordination.gcs.open_journal`):
 
-- by default in Ray's GCS key-value store (`KvJournal`), keyed by the
+- by default in Ray's GCS key-value store (`coordination.gcs.KvJournal`), keyed by the
   coordinator's namespace and name: every node reaches it, so a coordinator
   whose node is lost and that Ray restarts elsewhere (`max_restarts=-1`)
   finds it.  A node-local directory would be empty on the new node, and
@@ -22,9 +22,8 @@ Where it lives (`open_journal`):
   system): one small JSON file, temp file + fsync + rename + directory fsync;
 - in memory only, for the pure core's tests (`Journal(None)`).
 
-Ray's KV store has no public Python API; `ray.experimental.internal_kv` is
-the one Ray's own libraries use.  Callers write off the event loop (the GCS
-call and the fsync both block).
+Callers write off the event loop (the GCS call and the fsync both block).
+This module knows nothing of Ray: the KV store's is `coordination.gcs`.
 """
 
 from __future__ import annotations
@@ -56,30 +55,6 @@ class JournalEntry(msgspec.Struct, kw_only=True):
 
 _decoder = msgspec.json.Decoder(JournalEntry)
 
-KV_NAMESPACE = "ray-ckpt"  # the GCS KV namespace every journal key lives in
-GCS = "gcs"  # `state_dir` naming the GCS KV store explicitly
-
-
-def kv_put(key: bytes, data: bytes) -> None:
-    """One value in Ray's GCS KV store (the journal, the periodic loop's and
-    the registrations' keys all go through these three)."""
-    from ray.experimental import internal_kv
-
-    internal_kv._internal_kv_put(key, data, overwrite=True, namespace=KV_NAMESPACE)
-
-
-def kv_get(key: bytes) -> bytes | None:
-    from ray.experimental import internal_kv
-
-    data: bytes | None = internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE)
-    return data
-
-
-def kv_del(key: bytes) -> None:
-    from ray.experimental import internal_kv
-
-    internal_kv._internal_kv_del(key, namespace=KV_NAMESPACE)
-
 
 class JournalStore(Protocol):
     def record(self, entry: JournalEntry) -> None: ...
@@ -94,7 +69,7 @@ class JournalStore(Protocol):
     def clear(self) -> None: ...
 
 
-def _decode(data: bytes | None) -> JournalEntry | None:
+def decode(data: bytes | None) -> JournalEntry | None:
     if data is None:
         return None
     try:
@@ -108,36 +83,6 @@ def encode(entry: JournalEntry) -> bytes:
     return msgspec.json.encode(entry)
 
 
-def open_journal(state_dir: str | None, *, namespace: str, name: str) -> JournalStore:
-    """The coordinator's journal: GCS KV unless a directory is named."""
-    if state_dir is None or state_dir == GCS:
-        return KvJournal(kv_key(namespace, name))
-    return Journal(state_dir)
-
-
-def kv_key(namespace: str, name: str) -> bytes:
-    return f"journal/{namespace}/{name}".encode()
-
-
-class KvJournal:
-    """One key in Ray's GCS key-value store (reachable from every node)."""
-
-    def __init__(self, key: bytes) -> None:
-        self.key = key
-
-    def record(self, entry: JournalEntry) -> None:
-        self.write(encode(entry))
-
-    def write(self, data: bytes) -> None:
-        kv_put(self.key, data)
-
-    def load(self) -> JournalEntry | None:
-        return _decode(kv_get(self.key))
-
-    def clear(self) -> None:
-        kv_del(self.key)
-
-
 class Journal:
     """One small JSON file in `state_dir`; memory only when `state_dir` is None."""
 
@@ -149,7 +94,7 @@ class Journal:
         self.write(encode(entry))
 
     def write(self, data: bytes) -> None:
-        self._memory = _decode(data)
+        self._memory = decode(data)
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -173,7 +118,7 @@ class Journal:
             data = self.path.read_bytes()
         except FileNotFoundError:
             return None
-        return _decode(data)
+        return decode(data)
 
     def clear(self) -> None:
         self._memory = None

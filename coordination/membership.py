@@ -19,8 +19,9 @@ from typing import Any
 
 from coordination.calls import coordination_failed
 from coordination.fanout import failure
-from coordination.hosts import Host, HttpHost
+from coordination.host import Host
 from coordination.replies import as_mapping
+from ray_ckpt.control.client import ControlClient
 from ray_ckpt.errors import CheckpointError, InvalidRequest, NotFound, ParticipantUnavailable
 from ray_ckpt.workers.detect import refuse_unmanaged_workers
 
@@ -57,9 +58,11 @@ async def probe(host: Host, timeout_s: float) -> dict[str, Any] | None:
         )
         return None
     check_kind(host, status)
-    if isinstance(host, HttpHost):
-        # Several processes each with its own controller cannot be paused as one.
-        await refuse_unmanaged_workers(host.client, dict(as_mapping(status)), what=host.member.key)
+    client = getattr(host, "client", None)
+    if isinstance(client, ControlClient):
+        # Reached over HTTP: several processes each with its own controller
+        # behind one port cannot be paused as one.
+        await refuse_unmanaged_workers(client, dict(as_mapping(status)), what=host.member.key)
     return dict(as_mapping(status))
 
 

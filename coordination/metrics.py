@@ -15,12 +15,11 @@ recording sink in unit tests.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
 from coordination.baseline import Trigger
 from coordination.results import CheckpointResult, DurableResult, RestoreResult
 from ray_ckpt.errors import CheckpointError, CoordinationFailed
-from ray_ckpt.hosting.metrics import PREFIX, SECONDS_BOUNDARIES
 
 # What started a checkpoint (the `trigger` label).
 TRIGGERS = tuple(t.value for t in Trigger)
@@ -93,50 +92,6 @@ class MetricSink(Protocol):
 class NullSink:
     def record(self, name: str, value: float, tags: Mapping[str, str]) -> None:
         return None
-
-
-class RaySink:
-    """`ray.util.metrics` objects, one per name, made on first use (inside a
-    Ray worker: the driver's import of this module registers nothing)."""
-
-    def __init__(self) -> None:
-        self._metrics: dict[str, Any] = {}
-
-    def _metric(self, name: str) -> Any:
-        metric = self._metrics.get(name)
-        if metric is None:
-            from ray.util import metrics
-
-            kind, description, keys = DEFINITIONS[name]
-            full = PREFIX + name
-            if kind == "histogram":
-                metric = metrics.Histogram(
-                    full, description, boundaries=SECONDS_BOUNDARIES, tag_keys=keys
-                )
-            elif kind == "counter":
-                metric = metrics.Counter(full, description, tag_keys=keys)
-            else:
-                metric = metrics.Gauge(full, description, tag_keys=keys)
-            self._metrics[name] = metric
-        return metric
-
-    def record(self, name: str, value: float, tags: Mapping[str, str]) -> None:
-        metric = self._metric(name)
-        kind = DEFINITIONS[name][0]
-        if kind == "histogram":
-            metric.observe(value, tags=dict(tags))
-        elif kind == "counter":
-            if value > 0:
-                metric.inc(value, tags=dict(tags))
-        else:
-            metric.set(value, tags=dict(tags))
-
-
-def ray_sink() -> MetricSink:
-    """Ray's metrics inside a Ray worker, else none (a coordinator built off Ray)."""
-    import ray
-
-    return RaySink() if ray.is_initialized() else NullSink()
 
 
 def kind_of(key: str) -> str:

@@ -21,7 +21,7 @@ from functools import partial
 from typing import Any
 
 from coordination.fanout import failure
-from coordination.hosts import PauseTarget
+from coordination.host import PauseTarget
 from coordination.results import Timeouts
 from ray_ckpt.errors import CheckpointError, CoordinationFailed, DeadlineExceeded, InvalidRequest
 

@@ -22,7 +22,7 @@ import os
 
 import msgspec
 
-from coordination.journal import GCS, kv_del, kv_get, kv_put
+from coordination.gcs import GCS, kv_del, kv_get, kv_put
 from coordination.periodic import DEFAULT_PREFIX, Checkpoint, PeriodicRunner
 from coordination.results import PeriodicStatus
 from coordination.roots import retain, writable

@@ -28,7 +28,7 @@ import msgspec
 
 from coordination.calls import coordination_failed
 from coordination.fanout import Outcome, failure, fan_out
-from coordination.hosts import Host
+from coordination.host import Host
 from ray_ckpt.errors import InvalidRequest, Reason, UnknownReceipt
 from ray_ckpt.reports import Receipt
 

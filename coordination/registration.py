@@ -13,7 +13,8 @@ import logging
 from typing import Any
 
 from coordination.engine import CoordinatorCore
-from coordination.hosts import Host, HttpHost, RayHost
+from coordination.host import Host
+from coordination.hosts import HttpHost, RayHost
 from coordination.membership import KindMismatch
 from coordination.order import Member
 from ray_ckpt.control.client import ControlClient

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from coordination.gcs import kv_del, kv_get, kv_put
 from coordination.hosts import RayPauseTarget
-from coordination.journal import kv_del, kv_get, kv_put
 from coordination.periodic import AssemblerScope
 from coordination.registration import http_host, register_host
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from coordination.calls import reply_timeout
 from coordination.fanout import fan_out
-from coordination.hosts import Host
+from coordination.host import Host
 from coordination.results import Timeouts
 from ray_ckpt.clock import Clock
 from ray_ckpt.errors import CheckpointError

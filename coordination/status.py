@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Iterable
 from typing import Any
 
-from coordination.hosts import Host
+from coordination.host import Host
 from coordination.replies import (
     as_mapping,
     blocker_count,

@@ -23,8 +23,8 @@ from typing import Any
 
 import msgspec
 
-from coordination.engine import CoordinatorCore
 from coordination.demo.scenario import Rollouts, crash
+from coordination.engine import CoordinatorCore
 from coordination.handle import CoordinatorHandle
 from coordination.hosts import FakeHost
 from coordination.order import Member

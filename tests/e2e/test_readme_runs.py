@@ -21,8 +21,8 @@ import pathlib
 import re
 import textwrap
 import time
-from types import SimpleNamespace
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
