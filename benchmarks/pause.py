@@ -217,7 +217,7 @@ def one(coord: Any, hosts: list[Any], mode: str, where: str) -> dict[str, float]
 def run(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
     import ray
 
-    from coordination.coordinator import get_or_create_coordinator
+    from coordination.connect import get_or_create_coordinator
 
     per_host = args.sessions // args.hosts
     fleets: dict[int, tuple[Any, list[Any]]] = {}

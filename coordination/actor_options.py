@@ -1,7 +1,8 @@
-"""How the `Coordinator` actor is named, created and found: one per namespace.
+"""How the `Coordinator` actor is named and with which Ray options: one per namespace.
 
-Separate from the actor class so the handle and tools can ask for the
-coordinator without importing what it runs.
+Separate from the actor class so the handle and tools can name and find the
+coordinator without importing what it runs (`connect.get_or_create_coordinator`
+creates it).
 """
 
 from __future__ import annotations
@@ -41,31 +42,3 @@ def coordinator_options(
     if detached:
         opts["lifetime"] = "detached"
     return opts
-
-
-def get_or_create_coordinator(
-    namespace: str,
-    *,
-    name: str = COORDINATOR_NAME,
-    detached: bool = False,
-    state_dir: str | None = None,
-    timeouts: dict[str, float] | None = None,
-    pause_mode: str = "full",
-    auto_discover: bool = True,
-) -> Any:
-    """The named coordinator of `namespace` (created if missing); an actor handle."""
-    import ray
-
-    from coordination.coordinator import Coordinator
-
-    actor_cls = ray.remote(Coordinator)
-    return actor_cls.options(**coordinator_options(namespace, name=name, detached=detached)).remote(
-        namespace,
-        # None: the journal lives in Ray's GCS KV store, reachable from every
-        # node, so a restart on another node finds it (coordination/journal.py).
-        state_dir=state_dir,
-        timeouts=timeouts,
-        pause_mode=pause_mode,
-        auto_discover=auto_discover,
-        detached=detached,
-    )

@@ -1,5 +1,6 @@
 """`ray-ckpt`: status, checkpoint, resume, restore, retire, forget, collect, ack,
-inspect, list, gc, timeline, demo (and `--version`).
+inspect, list, gc, timeline (and `--version`); `ray-ckpt demo` is the main
+job's, added on top (`coordination.demo.app`: no library module imports the demo).
 
 Every command that talks to the cluster attaches with `--address` (default
 "auto") and `--namespace`, and gets or creates the namespace's coordinator
@@ -302,19 +303,3 @@ def inspect(directory: str, as_json: bool) -> None:
     report = inspect_checkpoint(directory)
     click.echo(msgspec.json.encode(report).decode() if as_json else render_inspect(report))
     sys.exit(0 if report.ok else 1)
-
-
-# No help option of its own: `--help` goes on to the demo, which prints its options.
-@main.command(
-    context_settings={
-        "ignore_unknown_options": True,
-        "allow_extra_args": True,
-        "help_option_names": [],
-    }
-)
-@click.pass_context
-def demo(ctx: click.Context) -> None:
-    """Run the end-to-end demo (`ray-ckpt demo --help` lists its options)."""
-    from coordination.demo.run import demo_command_main
-
-    sys.exit(demo_command_main(list(ctx.args)))

@@ -19,7 +19,7 @@ from ray_ckpt.errors import CheckpointError
 
 
 def connect_cli(address: str, namespace: str) -> Any:
-    from coordination.handle import connect
+    from coordination.connect import connect
 
     return connect(
         namespace=namespace, address=None if address == "local" else address, detached=True

@@ -1,8 +1,9 @@
 """Attach to Ray and get the namespace's coordinator: `connect`.
 
 Kept apart from the handle class so attaching (Ray init, get-or-create, the
-retry around a dying coordinator) reads on its own; `coordination.handle`
-re-exports `connect`, its usual import.
+retry around a dying coordinator) reads on its own; `from coordination import
+connect` is its usual import.  It imports the handle (what it returns) and,
+to create the actor, the actor class; neither imports this module.
 """
 
 from __future__ import annotations
@@ -10,13 +11,11 @@ from __future__ import annotations
 import asyncio
 import time
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from coordination.actor_options import COORDINATOR_NAME, get_or_create_coordinator
+from coordination.actor_options import COORDINATOR_NAME, coordinator_options
+from coordination.handle import CoordinatorHandle
 from ray_ckpt.errors import ParticipantUnavailable
-
-if TYPE_CHECKING:
-    from coordination.handle import CoordinatorHandle
 
 
 def connect(
@@ -33,8 +32,6 @@ def connect(
     anything else is a cluster address.  `create=False` only finds one.
     """
     import ray
-
-    from coordination.handle import CoordinatorHandle
 
     if not namespace:
         raise ValueError("connect needs an explicit namespace")
@@ -130,3 +127,31 @@ def _say_if_other_options(
 
 def _normal(key: str, value: Any) -> Any:
     return dict(value or {}) if key == "timeouts" else value
+
+
+def get_or_create_coordinator(
+    namespace: str,
+    *,
+    name: str = COORDINATOR_NAME,
+    detached: bool = False,
+    state_dir: str | None = None,
+    timeouts: dict[str, float] | None = None,
+    pause_mode: str = "full",
+    auto_discover: bool = True,
+) -> Any:
+    """The named coordinator of `namespace` (created if missing); an actor handle."""
+    import ray
+
+    from coordination.coordinator import Coordinator
+
+    actor_cls = ray.remote(Coordinator)
+    return actor_cls.options(**coordinator_options(namespace, name=name, detached=detached)).remote(
+        namespace,
+        # None: the journal lives in Ray's GCS KV store, reachable from every
+        # node, so a restart on another node finds it (coordination/journal.py).
+        state_dir=state_dir,
+        timeouts=timeouts,
+        pause_mode=pause_mode,
+        auto_discover=auto_discover,
+        detached=detached,
+    )

@@ -24,12 +24,7 @@ from typing import Any
 import msgspec
 
 from coordination import receipts
-from coordination.actor_options import (
-    COORDINATOR_NAME,
-    coordinator_options,
-    default_state_dir,
-    get_or_create_coordinator,
-)
+from coordination.actor_options import COORDINATOR_NAME
 from coordination.baseline import Trigger
 from coordination.drain_control import DrainControl, DrainStatus, Relauncher
 from coordination.engine import CoordinatorCore
@@ -78,15 +73,6 @@ from ray_ckpt.identity import EpisodeId
 from ray_ckpt.reports import Receipt
 
 log = logging.getLogger(__name__)
-
-# Importers of these names from here keep working (they live in actor_options).
-__all__ = [
-    "COORDINATOR_NAME",
-    "Coordinator",
-    "coordinator_options",
-    "default_state_dir",
-    "get_or_create_coordinator",
-]
 
 
 def _own_name() -> str:

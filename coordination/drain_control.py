@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -42,20 +42,33 @@ from coordination.drain import (
     DrainWatcher,
     RayDrainSource,
 )
+from coordination.engine import CoordinatorCore, ScopeSource
 from coordination.hosts import RayHost
 from coordination.options import CheckpointOptions
 from coordination.periodic import DEFAULT_PREFIX
+from coordination.results import RestoreResult
 from coordination.signal_budget import Budget
 from ray_ckpt.errors import CheckpointConflict, InvalidRequest
-
-if TYPE_CHECKING:
-    from coordination.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
 
 # (member keys on the draining nodes, the draining nodes) → moved key → node
 Relauncher = Callable[[list[str], list[str]], Awaitable[dict[str, str]]]
 KEPT_OUTCOMES = 20
+
+
+class DrainingCoordinator(Protocol):
+    """What the drain's actions use of the `Coordinator` actor that holds them
+    (a protocol: this module is the actor's, and imports it not)."""
+
+    core: CoordinatorCore
+
+    @property
+    def scope_source(self) -> ScopeSource | None: ...
+
+    async def _ready(self, *, discover: bool = False, refresh: bool = False) -> None: ...
+
+    async def restore(self, checkpoint_dir: str) -> RestoreResult: ...
 
 
 class DrainStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -66,7 +79,7 @@ class DrainStatus(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class CoordinatorDrainActions:
-    def __init__(self, coordinator: Coordinator, relaunch: Relauncher) -> None:
+    def __init__(self, coordinator: DrainingCoordinator, relaunch: Relauncher) -> None:
         self.coordinator = coordinator
         self.relaunch_hosts = relaunch
         self.restored: dict[str, list[str]] = {}
@@ -124,7 +137,7 @@ class CoordinatorDrainActions:
 class DrainControl:
     """One drain watch at a time inside the coordinator."""
 
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: DrainingCoordinator) -> None:
         self.coordinator = coordinator
         self.watcher: DrainWatcher | None = None
         self.actions: CoordinatorDrainActions | None = None

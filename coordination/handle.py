@@ -30,7 +30,6 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from coordination import roots
-from coordination.connect import aconnect, connect
 from coordination.drain_control import DrainStatus, Relauncher
 from coordination.handle_members import MemberCalls
 from coordination.handle_receipts import ReceiptCalls
@@ -63,14 +62,7 @@ from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage.root.catalog import CheckpointEntry
 from ray_ckpt.storage.root.retention import DEFAULT_GRACE_S, GcPlan
 
-__all__ = [
-    "CheckpointOptions",
-    "CoordinatorHandle",
-    "EpisodeLike",
-    "aconnect",
-    "connect",
-    "episodes",
-]
+__all__ = ["CheckpointOptions", "CoordinatorHandle", "EpisodeLike", "episodes"]
 
 # What a checkpoint returns: resumed and durable, or (`durability="async"`) pending.
 Reply = CheckpointResult | PendingCheckpoint

@@ -28,7 +28,8 @@ from typing import Any
 import pytest
 import ray
 
-from coordination.coordinator import Coordinator, coordinator_options
+from coordination.actor_options import coordinator_options
+from coordination.coordinator import Coordinator
 from coordination.demo.run import node_of
 from coordination.demo.scenario import Rollouts, restore_and_continue
 from coordination.handle import CoordinatorHandle

@@ -143,7 +143,7 @@ async def test_status_checkpoint_inspect_restore_retire(namespace: str, tmp_path
         code, out = run("status", *ns, "--json")
         assert json.loads(out)["participants"][0]["phase"] == "idle"
     finally:
-        from coordination.coordinator import COORDINATOR_NAME
+        from coordination.actor_options import COORDINATOR_NAME
 
         # The coordinator the CLI made is detached: it would outlive the session.
         with contextlib.suppress(ValueError):
@@ -161,8 +161,8 @@ async def test_keep_open_then_resume_in_another_command_and_forget(
     a rollout ID; asking an existing coordinator for other options says so."""
     import ray
 
-    from coordination.coordinator import COORDINATOR_NAME
-    from coordination.handle import connect
+    from coordination.actor_options import COORDINATOR_NAME
+    from coordination.connect import connect
 
     ns = ["--namespace", namespace]
     host = start_host(SPEC, namespace=namespace)

@@ -7,7 +7,7 @@ import pathlib
 import pytest
 from click.testing import CliRunner
 
-from coordination.cli import main
+from coordination.demo.app import main  # the `ray-ckpt` command: the library CLI and the demo
 
 
 def test_inspect_of_a_missing_checkpoint_fails_and_says_why(tmp_path: pathlib.Path) -> None:
