@@ -179,7 +179,7 @@ def progress(msg: str) -> None:
 def run_one(p: int, reps: int, workdir: str, journal: str = "gcs") -> dict[str, float | int]:
     import ray
 
-    from coordination.connect import get_or_create_coordinator
+    from coordination.client.connect import get_or_create_coordinator
 
     namespace = f"bench-coord-{p}-{os.getpid()}"
     t0 = time.monotonic()

@@ -2,7 +2,7 @@
 
 A real `CoordinatorCore` (membership, ordered groups, fan-out, reply
 checks, journal, the Gym manifest's encoding) drives N in-process fake hosts
-(`coordination.hosts.FakeHost`, the host wrapper interface the Ray and HTTP
+(`coordination.reach.hosts.FakeHost`, the host wrapper interface the Ray and HTTP
 hosts implement) that answer each control call at once with a canned, valid
 reply.  A full cycle is prepare (four groups) -> commit -> Gym manifest ->
 resume (four groups).  The fake hosts' own cost is measured on its own in
@@ -22,11 +22,11 @@ from typing import Any
 
 import msgspec
 
-from coordination.engine import CoordinatorCore
-from coordination.hosts import FakeHost
-from coordination.journal import Journal
-from coordination.order import Member
-from coordination.results import Timeouts
+from coordination.engine.coordinator_core import CoordinatorCore
+from coordination.engine.journal import Journal
+from coordination.engine.order import Member
+from coordination.engine.results import Timeouts
+from coordination.reach.hosts import FakeHost
 
 KINDS = ("environment", "model", "agent", "resources")
 # Every reply a participant with nothing in flight gives (the shapes our

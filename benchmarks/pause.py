@@ -183,7 +183,7 @@ def progress(msg: str) -> None:
 def one(coord: Any, hosts: list[Any], mode: str, where: str) -> dict[str, float]:
     import ray
 
-    from coordination.handle import CoordinatorHandle
+    from coordination.client.handle import CoordinatorHandle
 
     gym = CoordinatorHandle(coord, "bench-pause")
     ray.get([h.rss_start.remote() for h in hosts])
@@ -217,7 +217,7 @@ def one(coord: Any, hosts: list[Any], mode: str, where: str) -> dict[str, float]
 def run(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
     import ray
 
-    from coordination.connect import get_or_create_coordinator
+    from coordination.client.connect import get_or_create_coordinator
 
     per_host = args.sessions // args.hosts
     fleets: dict[int, tuple[Any, list[Any]]] = {}

@@ -1,6 +1,6 @@
 """Relaunch the reference fleet with the hosts of draining nodes moved away.
 
-The coordinator's drain watch (`coordination.drain_control`) calls a
+The coordinator's drain watch (`coordination.actor.drain_control`) calls a
 relauncher after it checkpointed the whole Gym with `stop`: every host comes
 back fresh under its name (a restore installs one point in time, so hosts
 that were not on the draining node are fresh too), the ones on a draining

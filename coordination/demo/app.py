@@ -1,6 +1,6 @@
 """The `ray-ckpt` command: the library's command line with the main job on top.
 
-`coordination.cli` is the library's command line and knows nothing of the
+`coordination.cli.commands` is the library's command line and knows nothing of the
 demo; the demo is the application above every library, so the console
 script is this module's `main`, which adds the `demo` command to the group.
 """
@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from coordination.cli import main as cli_main
+from coordination.cli.commands import main as cli_main
 from coordination.demo.run import demo_command_main
 
 

@@ -12,7 +12,12 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from coordination.demo.scenario import Continuation, Rollouts
-from coordination.results import CheckpointResult, CommitResult, DurableResult, PrepareResult
+from coordination.engine.results import (
+    CheckpointResult,
+    CommitResult,
+    DurableResult,
+    PrepareResult,
+)
 from participants.rollout import result_digest
 
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from coordination.engine import CoordinatorCore
-from coordination.hosts import HttpHost
-from coordination.journal import Journal
-from coordination.order import Member
-from coordination.results import Timeouts
+from coordination.engine.coordinator_core import CoordinatorCore
+from coordination.engine.journal import Journal
+from coordination.engine.order import Member
+from coordination.engine.results import Timeouts
+from coordination.reach.hosts import HttpHost
 from ray_ckpt.control.client import ControlClient
 from ray_ckpt.errors import CheckpointError, CoordinationFailed, InvalidRequest, RestartInScope
 from ray_ckpt.identity import EpisodeId

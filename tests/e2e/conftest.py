@@ -38,9 +38,9 @@ import msgspec
 import orjson
 import pytest
 
-from coordination.connect import connect
+from coordination.client.connect import connect
+from coordination.client.handle import CoordinatorHandle
 from coordination.demo.scenario import Rollouts, fleet_stats
-from coordination.handle import CoordinatorHandle
 from participants.fleet import Fleet, FleetConfig, launch_fleet
 from participants.local import start_local_fleet
 from ray_ckpt.control.client import data_session

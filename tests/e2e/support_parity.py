@@ -23,12 +23,11 @@ from typing import Any
 
 import msgspec
 
+from coordination.client.handle import CoordinatorHandle
 from coordination.demo.scenario import Rollouts, crash
-from coordination.engine import CoordinatorCore
-from coordination.handle import CoordinatorHandle
-from coordination.hosts import FakeHost
-from coordination.order import Member
-from coordination.results import (
+from coordination.engine.coordinator_core import CoordinatorCore
+from coordination.engine.order import Member
+from coordination.engine.results import (
     CommitResult,
     CoordinatorStatus,
     ForgetResult,
@@ -37,6 +36,7 @@ from coordination.results import (
     ResumeResult,
     Timeouts,
 )
+from coordination.reach.hosts import FakeHost
 from participants.fleet import KIND_ORDER, START_ORDER, Fleet, FleetConfig, factory_options
 from participants.local import LocalFleet, start_local_server
 from participants.model_calls import Call

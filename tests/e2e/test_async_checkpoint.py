@@ -11,8 +11,8 @@ import time
 import pytest
 import ray
 
+from coordination.client.pending import PendingCheckpoint
 from coordination.demo.scenario import crash, restore_and_continue
-from coordination.pending import PendingCheckpoint
 from ray_ckpt.control.client import data_session
 from ray_ckpt.storage import verify_checkpoint
 from tests.e2e.conftest import E2E, assert_exactly_once, stats_until

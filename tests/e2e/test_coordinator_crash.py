@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import ray
 
+from coordination.client.handle import CoordinatorHandle
 from coordination.demo.scenario import fleet_stats
-from coordination.handle import CoordinatorHandle
 from participants.fleet import Fleet
 from ray_ckpt.control.client import ControlClient, data_session
 from ray_ckpt.errors import CheckpointError, StaleCheckpoint

@@ -63,8 +63,8 @@ import pytest
 import ray
 
 import participants.fleet as fleet_module
+from coordination.client.handle import CoordinatorHandle
 from coordination.demo.scenario import Rollouts, crash, fleet_stats, restore_and_continue
-from coordination.handle import CoordinatorHandle
 from participants.fleet import Fleet, FleetConfig
 from ray_ckpt.control.client import data_session
 from ray_ckpt.errors import CoordinationFailed, ParticipantUnavailable

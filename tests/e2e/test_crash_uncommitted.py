@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from coordination.client.handle import CoordinatorHandle
 from coordination.demo.scenario import Rollouts, crash, fleet_stats, restore_and_continue
-from coordination.handle import CoordinatorHandle
 from participants.fleet import Fleet
 from ray_ckpt.control.client import data_session
 from ray_ckpt.errors import CoordinationFailed

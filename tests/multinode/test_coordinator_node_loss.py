@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from coordination.actor_options import default_state_dir
+from coordination.actor.actor_options import default_state_dir
+from coordination.actor.gcs import kv_get, kv_key
 from coordination.demo.run import node_of
-from coordination.gcs import kv_get, kv_key
 from participants.fleet import KIND_ORDER, launch_fleet
 from ray_ckpt.control.client import data_session
 from ray_ckpt.storage import verify_checkpoint

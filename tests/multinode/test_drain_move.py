@@ -1,4 +1,4 @@
-"""A Ray node drain while rollouts run, watched by `coordination.drain`.
+"""A Ray node drain while rollouts run, watched by `coordination.triggers.drain`.
 
 Worker A holds the environment and agent hosts; `ray drain-node --reason
 DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds N` drains it.  The
@@ -25,11 +25,11 @@ from typing import Any
 import aiohttp
 import pytest
 
+from coordination.client.handle import CoordinatorHandle
 from coordination.demo.run import node_of
 from coordination.demo.scenario import Rollouts, restore_and_continue
-from coordination.drain import DrainOutcome, DrainWatcher, RayDrainSource
-from coordination.handle import CoordinatorHandle
-from coordination.signals import Budget
+from coordination.triggers.drain import DrainOutcome, DrainWatcher, RayDrainSource
+from coordination.triggers.signals import Budget
 from participants.fleet import Fleet, FleetConfig, launch_fleet
 from ray_ckpt.control.client import data_session
 from tests.e2e.conftest import E2E, assert_exactly_once, stats_until

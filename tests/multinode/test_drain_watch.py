@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import ray
 
+from coordination.actor.drain_control import DrainStatus
 from coordination.demo.run import node_of
-from coordination.drain_control import DrainStatus
 from participants.fleet import KIND_ORDER, Fleet, FleetConfig
 from participants.fleet_relaunch import FleetRelauncher
 from ray_ckpt.control.client import data_session

@@ -28,11 +28,11 @@ from typing import Any
 import pytest
 import ray
 
-from coordination.actor_options import coordinator_options
-from coordination.coordinator import Coordinator
+from coordination.actor.actor_options import coordinator_options
+from coordination.actor.coordinator import Coordinator
+from coordination.client.handle import CoordinatorHandle
 from coordination.demo.run import node_of
 from coordination.demo.scenario import Rollouts, restore_and_continue
-from coordination.handle import CoordinatorHandle
 from participants.fleet import Fleet, FleetConfig, launch_fleet
 from ray_ckpt.control.client import data_session
 from ray_ckpt.errors import CheckpointError

@@ -17,8 +17,8 @@ from typing import Any
 import aiohttp
 from pydantic import SecretStr
 
-from coordination import connect
-from coordination.handle import CoordinatorHandle
+from coordination.client import connect
+from coordination.client.handle import CoordinatorHandle
 from ray_ckpt.gym_server.spec import ServerSpec, settings_dict
 from ray_ckpt.hosting.host import relaunch_host, start_host, stop_host
 from ray_ckpt.settings import CheckpointSettings

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from coordination.hosts import RayPauseTarget
-from coordination.pause import ControllerPauses
-from coordination.results import Timeouts
+from coordination.engine.pause import ControllerPauses
+from coordination.engine.results import Timeouts
+from coordination.reach.hosts import RayPauseTarget
 from ray_ckpt.errors import CoordinationFailed
 
 

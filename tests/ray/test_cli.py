@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 from pydantic import SecretStr
 
-from coordination.cli import main
+from coordination.cli.commands import main
 from ray_ckpt.gym_server.spec import ServerSpec, settings_dict
 from ray_ckpt.hosting.host import start_host, stop_host
 from ray_ckpt.settings import CheckpointSettings
@@ -143,7 +143,7 @@ async def test_status_checkpoint_inspect_restore_retire(namespace: str, tmp_path
         code, out = run("status", *ns, "--json")
         assert json.loads(out)["participants"][0]["phase"] == "idle"
     finally:
-        from coordination.actor_options import COORDINATOR_NAME
+        from coordination.actor.actor_options import COORDINATOR_NAME
 
         # The coordinator the CLI made is detached: it would outlive the session.
         with contextlib.suppress(ValueError):
@@ -161,8 +161,8 @@ async def test_keep_open_then_resume_in_another_command_and_forget(
     a rollout ID; asking an existing coordinator for other options says so."""
     import ray
 
-    from coordination.actor_options import COORDINATOR_NAME
-    from coordination.connect import connect
+    from coordination.actor.actor_options import COORDINATOR_NAME
+    from coordination.client.connect import connect
 
     ns = ["--namespace", namespace]
     host = start_host(SPEC, namespace=namespace)

@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from coordination.connect import connect
+from coordination.client.connect import connect
 
 pytestmark = pytest.mark.ray
 
 CREATE_AND_EXIT = """
 import sys, ray
-from coordination.connect import connect
+from coordination.client.connect import connect
 ray.init(address=sys.argv[1], namespace=sys.argv[2], log_to_driver=False)
 gym = connect(namespace=sys.argv[2])
 print(gym.ping())

@@ -10,8 +10,8 @@ import pytest
 import ray
 from ray.exceptions import RayError
 
-from coordination import connect
-from coordination.handle import CoordinatorHandle
+from coordination.client import connect
+from coordination.client.handle import CoordinatorHandle
 from ray_ckpt.errors import (
     CheckpointConflict,
     CheckpointError,

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 import ray
 
-from coordination.connect import connect
+from coordination.client.connect import connect
 from ray_ckpt.errors import CoordinationFailed
 from ray_ckpt.gym_server.spec import ServerSpec
 from ray_ckpt.hosting.host import start_host, stop_host

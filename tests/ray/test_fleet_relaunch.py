@@ -11,9 +11,9 @@ import psutil
 import pytest
 from ray.exceptions import RayActorError
 
-from coordination.baseline import identity
-from coordination.hosts import RayHost
-from coordination.order import Member
+from coordination.engine.baseline import identity
+from coordination.engine.order import Member
+from coordination.reach.hosts import RayHost
 from participants.fleet import FleetConfig, launch_fleet
 
 pytestmark = pytest.mark.ray

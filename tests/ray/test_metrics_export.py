@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 import ray
 
-from coordination import connect
-from coordination.actor_options import COORDINATOR_NAME
+from coordination.actor.actor_options import COORDINATOR_NAME
+from coordination.client import connect
 from participants.fleet import FleetConfig, launch_fleet
 from ray_ckpt.hosting.metrics import SECONDS_BOUNDARIES
 

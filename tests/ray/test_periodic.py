@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import ray
 
-from coordination import connect
-from coordination.handle import CoordinatorHandle
-from coordination.results import PeriodicStatus
+from coordination.client import connect
+from coordination.client.handle import CoordinatorHandle
+from coordination.engine.results import PeriodicStatus
 from ray_ckpt.errors import CheckpointConflict, InvalidRequest, ParticipantUnavailable
 from ray_ckpt.storage.blobstore.locations import open_location
 from ray_ckpt.storage.root.pointer import read_latest

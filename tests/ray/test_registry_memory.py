@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import ray
 
-from coordination.connect import connect
+from coordination.client.connect import connect
 from ray_ckpt.gym_server.spec import ServerSpec, settings_dict
 from ray_ckpt.hosting.host import start_host, stop_host
 from ray_ckpt.settings import CheckpointSettings

@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 from pydantic import SecretStr
 
-from coordination.cli_inspect import inspect_checkpoint
-from coordination.connect import connect
+from coordination.cli.inspect import inspect_checkpoint
+from coordination.client.connect import connect
 from ray_ckpt.gym_server.spec import ServerSpec, settings_dict
 from ray_ckpt.hosting.host import start_host, stop_host
 from ray_ckpt.settings import CheckpointSettings

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordination.engine import CoordinatorCore
-from coordination.hosts import FakeHost, Log
-from coordination.journal import Journal
-from coordination.order import Member
-from coordination.results import Timeouts
+from coordination.engine.coordinator_core import CoordinatorCore
+from coordination.engine.journal import Journal
+from coordination.engine.order import Member
+from coordination.engine.results import Timeouts
+from coordination.reach.hosts import FakeHost, Log
 from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.settings import CheckpointSettings
 from tests.unit.fakes import FakeParticipant, MemoryStore

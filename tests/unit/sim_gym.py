@@ -9,7 +9,7 @@ lose a reply after the participant acted.  The triggers are the real ones
 where they carry logic: the drain is a `DrainWatcher` driving the Ray
 coordinator's own `CoordinatorDrainActions` (over `SimCoordinator`, the
 Ray-free part of the actor it needs); periodic is the loop's checkpoint plus
-`coordination.roots.retain`; signal is the signal handler's call with a
+`coordination.engine.roots.retain`; signal is the signal handler's call with a
 grace budget (`cut_budget`).
 
 `SimScenario.draw(seed)` draws the Gym (receipts on or off, a full or an
@@ -36,17 +36,17 @@ from typing import Any
 
 import aiohttp
 
-from coordination import receipts as gym_receipts
+from coordination.actor.drain_control import CoordinatorDrainActions
 from coordination.demo.scenario import abandon_running
-from coordination.drain import DrainWatcher
-from coordination.drain_control import CoordinatorDrainActions
-from coordination.engine import CoordinatorCore
-from coordination.hosts import FakeHost
-from coordination.manifests import write_gym_manifest_from_replies
-from coordination.order import Member
-from coordination.results import RestoreResult, Timeouts
-from coordination.roots import restore_target, retain, write_latest_quietly
-from coordination.signal_budget import cut_budget
+from coordination.engine import receipts as gym_receipts
+from coordination.engine.coordinator_core import CoordinatorCore
+from coordination.engine.manifests import write_gym_manifest_from_replies
+from coordination.engine.order import Member
+from coordination.engine.results import RestoreResult, Timeouts
+from coordination.engine.roots import restore_target, retain, write_latest_quietly
+from coordination.reach.hosts import FakeHost
+from coordination.triggers.drain import DrainWatcher
+from coordination.triggers.signal_budget import cut_budget
 from participants.fleet import KIND_ORDER, FleetConfig
 from participants.rollout import make_tasks, result_digest, run_episode
 from ray_ckpt.control.controller import ParticipantController

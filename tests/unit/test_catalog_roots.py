@@ -10,7 +10,7 @@ import pathlib
 import msgspec
 import pytest
 
-from coordination import roots
+from coordination.engine import roots
 from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage import read_gym_manifest, write_participant
@@ -50,7 +50,7 @@ def test_a_latest_that_cannot_be_written_does_not_fail_a_complete_checkpoint(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(roots, "write_latest_for", broken)
-    with caplog.at_level(logging.WARNING, logger="coordination.roots"):
+    with caplog.at_level(logging.WARNING, logger="coordination.engine.roots"):
         gym = roots.write_gym_manifest_and_latest(str(d), "ckpt-9", manifests)
     assert gym.checkpoint_id == "ckpt-9"
     assert "LATEST not updated" in caplog.text

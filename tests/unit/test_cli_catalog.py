@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-import coordination.cli as cli
-from coordination.cli import main
-from coordination.results import RestoreResult
+import coordination.cli.commands as cli
+from coordination.cli.commands import main
+from coordination.engine.results import RestoreResult
 from tests.unit.catalog_fixtures import commit, files
 
 T0 = 1_700_000_000.0

@@ -21,7 +21,7 @@ import orjson
 import pytest
 from pydantic import SecretStr
 
-from coordination.hosts import FakePauseTarget
+from coordination.reach.hosts import FakePauseTarget
 from ray_ckpt.clock import SystemClock
 from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.errors import (

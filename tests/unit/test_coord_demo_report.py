@@ -9,7 +9,7 @@ import pytest
 from coordination.demo.report import DemoReport, Ui
 from coordination.demo.run import finish
 from coordination.demo.scenario import Continuation
-from coordination.results import CommitResult, PrepareResult
+from coordination.engine.results import CommitResult, PrepareResult
 
 
 def report(*, scope: list[str], continued: list[str], equal: bool = True) -> DemoReport:

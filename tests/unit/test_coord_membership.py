@@ -99,8 +99,8 @@ async def test_a_replacement_registered_under_a_dead_members_name_stays() -> Non
 
 
 async def test_recovery_aborts_with_the_journalled_members_only(tmp_path: pathlib.Path) -> None:
-    from coordination.engine import CoordinatorCore
-    from coordination.journal import Journal
+    from coordination.engine.coordinator_core import CoordinatorCore
+    from coordination.engine.journal import Journal
     from tests.unit.coord_fleet import FAST
 
     old = make_fleet(state_dir=str(tmp_path))

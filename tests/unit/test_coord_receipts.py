@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from coordination import receipts
-from coordination.hosts import FakeHost
-from coordination.order import Member
+from coordination.engine import receipts
+from coordination.engine.order import Member
+from coordination.reach.hosts import FakeHost
 from participants.environment import EnvironmentParticipant
 from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.errors import CoordinationFailed, InvalidRequest, UnknownReceipt

@@ -17,11 +17,11 @@ from typing import Any
 import msgspec
 import pytest
 
-import coordination.engine as phase_driver
-from coordination.hosts import FakePauseTarget
-from coordination.journal import JournalEntry
-from coordination.pause import ControllerPauses
-from coordination.renewer import LeaseRenewer
+import coordination.engine.coordinator_core as phase_driver
+from coordination.engine.journal import JournalEntry
+from coordination.engine.pause import ControllerPauses
+from coordination.engine.renewer import LeaseRenewer
+from coordination.reach.hosts import FakePauseTarget
 from ray_ckpt.errors import CoordinationFailed
 from ray_ckpt.identity import EpisodeId
 from tests.unit.coord_fleet import Fleet, make_fleet

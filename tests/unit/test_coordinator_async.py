@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from coordination.hosts import FakePauseTarget
+from coordination.reach.hosts import FakePauseTarget
 from ray_ckpt.errors import CoordinationFailed, InvalidCheckpointState, InvalidRequest
 from ray_ckpt.identity import EpisodeId
 from tests.unit.coord_fleet import make_fleet

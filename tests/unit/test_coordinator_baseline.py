@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from coordination.baseline import GymBaseline
+from coordination.engine.baseline import GymBaseline
 from ray_ckpt.errors import MembershipChanged
 from ray_ckpt.identity import EpisodeId
 from tests.unit.coord_fleet import Fleet, make_fleet

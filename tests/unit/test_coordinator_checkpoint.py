@@ -12,8 +12,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from coordination.hosts import FakePauseTarget
-from coordination.journal import Journal
+from coordination.engine.journal import Journal
+from coordination.reach.hosts import FakePauseTarget
 from ray_ckpt.control.wire import CheckpointRequest
 from ray_ckpt.errors import (
     CheckpointConflict,
@@ -314,7 +314,7 @@ async def test_a_new_coordinator_aborts_what_the_old_one_left_open(tmp_path: pat
         prepared = await old.core.prepare()
         assert set(old.phases().values()) == {"prepared"}
         # A second coordinator over the same state directory and participants.
-        from coordination.engine import CoordinatorCore
+        from coordination.engine.coordinator_core import CoordinatorCore
 
         new = CoordinatorCore(journal=Journal(str(tmp_path)), timeouts=FAST)
         for host in old.hosts.values():

@@ -48,7 +48,7 @@ class _Handle:
     def restore(
         self, directory: str, keys: list[str], *, allow_without_gym_manifest: bool = False
     ) -> object:
-        from coordination.results import RestoreResult
+        from coordination.engine.results import RestoreResult
 
         self.asked.append((directory, keys, allow_without_gym_manifest))
         return RestoreResult(
@@ -65,7 +65,7 @@ class _Handle:
 def test_restore_without_gym_manifest_is_asked_for_explicitly(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import coordination.cli as cli
+    import coordination.cli.commands as cli
 
     handle = _Handle()
     monkeypatch.setattr(cli, "_connect", lambda address, namespace: handle)

@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from coordination.hosts import FakePauseTarget
-from coordination.manifests import write_gym_manifest_from_replies
-from coordination.roots import ready_for_checkpoint, write_latest_quietly
+from coordination.engine.manifests import write_gym_manifest_from_replies
+from coordination.engine.roots import ready_for_checkpoint, write_latest_quietly
+from coordination.reach.hosts import FakePauseTarget
 from ray_ckpt.errors import (
     CheckpointConflict,
     CoordinationFailed,

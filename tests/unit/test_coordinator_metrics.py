@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from coordination.metrics import DEFINITIONS, CoordinatorMetrics
+from coordination.engine.metrics import DEFINITIONS, CoordinatorMetrics
 from ray_ckpt.errors import CoordinationFailed
 from ray_ckpt.identity import EpisodeId
 from tests.unit.coord_fleet import make_fleet

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from coordination.engine import OpenCheckpoint
-from coordination.journal import Journal, JournalEntry, encode
-from coordination.phases import (
+from coordination.engine.coordinator_core import OpenCheckpoint
+from coordination.engine.journal import Journal, JournalEntry, encode
+from coordination.engine.phases import (
     TRANSITIONS,
     CoordinatorEvent,
     CoordinatorPhase,

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from coordination.engine import CoordinatorCore
-from coordination.metrics import CoordinatorMetrics
-from coordination.timeline import Timeline
+from coordination.engine.coordinator_core import CoordinatorCore
+from coordination.engine.metrics import CoordinatorMetrics
+from coordination.engine.timeline import Timeline
 from ray_ckpt.errors import CoordinationFailed, InvalidCheckpointState
 from ray_ckpt.identity import EpisodeId
 from tests.unit.coord_fleet import Fleet, make_fleet

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from coordination.cli import _blocker_cell
-from coordination.hosts import FakeHost
-from coordination.order import Member
-from coordination.status import participant_rows
+from coordination.cli.commands import _blocker_cell
+from coordination.engine.order import Member
+from coordination.engine.status import participant_rows
+from coordination.reach.hosts import FakeHost
 from ray_ckpt.errors import CoordinationFailed
 from ray_ckpt.identity import EpisodeId
 from tests.unit.coord_fleet import Fleet, make_fleet

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordination.order import Member
+from coordination.engine.order import Member
 from ray_ckpt.errors import CoordinationFailed, InvalidCheckpointState
 from ray_ckpt.identity import EpisodeId
 from tests.unit.coord_fleet import make_fleet

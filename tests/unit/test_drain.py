@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from coordination.drain import (
+from coordination.triggers.drain import (
     NO_DEADLINE_BUDGET_S,
     DrainWatcher,
     plan_drain,
 )
-from coordination.signals import Budget
+from coordination.triggers.signals import Budget
 from ray_ckpt.errors import CoordinationFailed
 
 NOW = 1_800_000_000.0

@@ -6,7 +6,7 @@ from typing import Any, cast
 
 import pytest
 
-from coordination.drain_control import DrainControl
+from coordination.actor.drain_control import DrainControl
 from ray_ckpt.errors import CheckpointConflict, InvalidRequest
 
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from coordination.drain import MOVE_ATTEMPTS, MOVE_BACKOFF_S, DrainWatcher
+from coordination.triggers.drain import MOVE_ATTEMPTS, MOVE_BACKOFF_S, DrainWatcher
 from ray_ckpt.identity import EpisodeId
 from tests.unit.coord_fleet import Fleet, make_fleet
 from tests.unit.test_trigger_guard import Actions, OneNode

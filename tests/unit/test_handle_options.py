@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from coordination.coordinator import Coordinator
-from coordination.handle import CoordinatorHandle
-from coordination.options import CheckpointOptions
-from coordination.pending import PendingCheckpoint
-from coordination.results import CheckpointResult
+from coordination.actor.coordinator import Coordinator
+from coordination.client.handle import CoordinatorHandle
+from coordination.client.pending import PendingCheckpoint
+from coordination.engine.options import CheckpointOptions
+from coordination.engine.results import CheckpointResult
 from ray_ckpt.errors import InvalidRequest, ParticipantUnavailable, RestartInScope
 from ray_ckpt.identity import EpisodeId
 from tests.unit.coord_fleet import Fleet, make_fleet

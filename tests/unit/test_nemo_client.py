@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from coordination.engine import CoordinatorCore
-from coordination.hosts import HttpHost
-from coordination.journal import Journal
-from coordination.membership import KindMismatch
-from coordination.order import Member
+from coordination.engine.coordinator_core import CoordinatorCore
+from coordination.engine.journal import Journal
+from coordination.engine.membership import KindMismatch
+from coordination.engine.order import Member
+from coordination.reach.hosts import HttpHost
 from ray_ckpt.control.client import ControlClient
 from ray_ckpt.control.routes import CHECKPOINT_ROUTE_PREFIX
 from ray_ckpt.errors import (

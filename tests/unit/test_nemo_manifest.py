@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from coordination.cli_inspect import inspect_checkpoint
-from coordination.manifests import write_gym_manifest_from_replies
+from coordination.cli.inspect import inspect_checkpoint
+from coordination.engine.manifests import write_gym_manifest_from_replies
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.storage import read_gym_manifest, verify_checkpoint, write_participant
 from ray_ckpt.storage.records.record import Record

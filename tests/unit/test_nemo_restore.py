@@ -18,10 +18,10 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from coordination.engine import CoordinatorCore
-from coordination.hosts import HttpHost
-from coordination.journal import Journal
-from coordination.order import Member
+from coordination.engine.coordinator_core import CoordinatorCore
+from coordination.engine.journal import Journal
+from coordination.engine.order import Member
+from coordination.reach.hosts import HttpHost
 from ray_ckpt.control.client import ControlClient
 from ray_ckpt.errors import CoordinationFailed
 from ray_ckpt.identity import EpisodeId
@@ -196,7 +196,7 @@ async def test_with_the_option_an_incomplete_directory_is_still_refused_touching
 async def test_the_cli_default_scope_without_a_gym_manifest(
     fleet: Fleet, tmp_path: pathlib.Path
 ) -> None:
-    from coordination.cli import _checkpointed_episodes
+    from coordination.cli.commands import _checkpointed_episodes
     from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest
     from ray_ckpt.storage import write_participant
     from ray_ckpt.storage.records.record import Record

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordination.order import (
+from coordination.engine.order import (
     Member,
     commit_groups,
     forget_groups,

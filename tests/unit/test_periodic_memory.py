@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pathlib
 
-from coordination.periodic_control import MEMORY_NAME, PeriodicConfig, PeriodicMemory
+from coordination.actor.periodic_control import MEMORY_NAME, PeriodicConfig, PeriodicMemory
 
 
 def test_saved_settings_load_back_and_clear(tmp_path: pathlib.Path) -> None:

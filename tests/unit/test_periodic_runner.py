@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from coordination.periodic import PeriodicRunner, checkpoint_name, episode_list
-from coordination.results import CheckpointResult
+from coordination.engine.results import CheckpointResult
+from coordination.triggers.periodic import PeriodicRunner, checkpoint_name, episode_list
 from ray_ckpt.clock import ManualClock
 from ray_ckpt.errors import CheckpointConflict, CoordinationFailed, InvalidRequest
 from ray_ckpt.identity import EpisodeId

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordination.hosts import FakePauseTarget
+from coordination.reach.hosts import FakePauseTarget
 from ray_ckpt.errors import CoordinationFailed, InvalidRequest
 from ray_ckpt.identity import EpisodeId
 from tests.unit.coord_fleet import DEFAULT_MEMBERS, make_fleet

@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from coordination.roots import precreate_participant_dirs
+from coordination.engine.roots import precreate_participant_dirs
 from ray_ckpt.storage.blobstore import durable
 
 

@@ -14,8 +14,8 @@ import textwrap
 
 import pytest
 
-from coordination.handle import CoordinatorHandle
-from coordination.pending import PendingCheckpoint
+from coordination.client.handle import CoordinatorHandle
+from coordination.client.pending import PendingCheckpoint
 
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 BLOCK = re.compile(r"```python\n(.*?)```", re.S)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pathlib
 
-from coordination.roots import list_root, restore_target
+from coordination.engine.roots import list_root, restore_target
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage import write_gym_manifest, write_participant
 from ray_ckpt.storage.records.record import Record

@@ -7,7 +7,7 @@ import asyncio
 
 import msgspec
 
-from coordination import roots
+from coordination.engine import roots
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage import open_location, write_participant
 from ray_ckpt.storage.blobstore.locations import join_location

@@ -16,8 +16,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from coordination.options import CheckpointOptions
-from coordination.signals import SignalCheckpoint, SignalCheckpointing, cut_budget
+from coordination.engine.options import CheckpointOptions
+from coordination.triggers.signals import SignalCheckpoint, SignalCheckpointing, cut_budget
 from ray_ckpt.errors import DeadlineExceeded, InvalidRequest
 
 
@@ -179,7 +179,7 @@ async def test_a_budget_too_short_fails_the_checkpoint_in_time() -> None:
 
 DRIVER = """
 import asyncio, os, signal, sys, time
-from coordination.signals import SignalCheckpointing
+from coordination.triggers.signals import SignalCheckpointing
 
 class Coord:
     async def acheckpoint(self, o):

@@ -8,7 +8,7 @@ import pathlib
 import msgspec
 import pytest
 
-from coordination.cli_inspect import InspectReport, inspect_checkpoint, render_inspect
+from coordination.cli.inspect import InspectReport, inspect_checkpoint, render_inspect
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.storage import (
     ParticipantManifest,

@@ -337,7 +337,7 @@ def test_settings_bound_the_chain() -> None:
 
 
 def test_inspect_follows_references(root: str) -> None:
-    from coordination.cli_inspect import inspect_checkpoint, render_inspect
+    from coordination.cli.inspect import inspect_checkpoint, render_inspect
 
     full, inc = chain(root, 2)
     report = inspect_checkpoint(inc.location)

@@ -8,8 +8,13 @@ import json
 
 import pytest
 
-from coordination.hosts import FakePauseTarget
-from coordination.timeline import COORDINATOR_ROW, KEEP, TimelineRecorder, chrome_trace
+from coordination.engine.timeline import (
+    COORDINATOR_ROW,
+    KEEP,
+    TimelineRecorder,
+    chrome_trace,
+)
+from coordination.reach.hosts import FakePauseTarget
 from ray_ckpt.errors import CoordinationFailed, InvalidRequest
 from ray_ckpt.identity import EpisodeId
 from tests.unit.coord_fleet import make_fleet

@@ -14,10 +14,10 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from coordination.engine import CoordinatorCore
-from coordination.hosts import HttpHost
-from coordination.journal import Journal
-from coordination.order import Member
+from coordination.engine.coordinator_core import CoordinatorCore
+from coordination.engine.journal import Journal
+from coordination.engine.order import Member
+from coordination.reach.hosts import HttpHost
 from participants.fleet import FleetConfig
 from participants.local import start_local_fleet
 from ray_ckpt.control.client import ControlClient

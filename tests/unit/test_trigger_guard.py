@@ -13,10 +13,10 @@ from typing import Any, cast
 
 import pytest
 
-from coordination.baseline import Trigger, attended
-from coordination.drain import DrainWatcher
-from coordination.drain_control import CoordinatorDrainActions
-from coordination.metrics import TRIGGERS
+from coordination.actor.drain_control import CoordinatorDrainActions
+from coordination.engine.baseline import Trigger, attended
+from coordination.engine.metrics import TRIGGERS
+from coordination.triggers.drain import DrainWatcher
 from ray_ckpt.errors import CoordinationFailed, MembershipChanged
 from ray_ckpt.identity import EpisodeId
 from tests.unit.coord_fleet import Fleet, make_fleet

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
-from coordination.hosts import FakeHost
-from coordination.order import Member
+from coordination.engine.order import Member
+from coordination.reach.hosts import FakeHost
 from ray_ckpt.control.controller import ParticipantController
 from ray_ckpt.errors import CoordinationFailed, StaleAttempt
 from ray_ckpt.identity import EpisodeId

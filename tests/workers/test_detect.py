@@ -13,9 +13,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from coordination.hosts import HttpHost
-from coordination.membership import discover_candidates
-from coordination.order import Member
+from coordination.engine.membership import discover_candidates
+from coordination.engine.order import Member
+from coordination.reach.hosts import HttpHost
 from ray_ckpt.control.client import ControlClient
 from ray_ckpt.control.routes import CHECKPOINT_ROUTE_PREFIX
 from ray_ckpt.errors import CoordinationFailed

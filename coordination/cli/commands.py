@@ -1,0 +1,305 @@
+"""`ray-ckpt`: status, checkpoint, resume, restore, retire, forget, collect, ack,
+inspect, list, gc, timeline (and `--version`); `ray-ckpt demo` is the main
+job's, added on top (`coordination.demo.app`: no library module imports the demo).
+
+Every command that talks to the cluster attaches with `--address` (default
+"auto") and `--namespace`, and gets or creates the namespace's coordinator
+(detached: it outlives the command, `coordination/cli/ops.py`);
+`--json` prints one JSON object on stdout instead of a table.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import click
+import msgspec
+
+from coordination.cli.ops import connect_cli, forget, resume, timeline
+from coordination.cli.output import (
+    cluster_options,
+    emit,
+    fail,
+    last_checkpoint_line,
+    lease_left,
+    periodic_line,
+)
+from coordination.cli.receipts import ack, collect
+from coordination.cli.storage import gc_command, list_command
+from coordination.engine.results import ParticipantStatus
+from ray_ckpt.errors import CheckpointError, InvalidRequest
+
+
+def _connect(address: str, namespace: str) -> Any:
+    return connect_cli(address, namespace)
+
+
+def _location(directory: str) -> None:
+    """Refuse a relative path or an unknown scheme here, before attaching to
+    Ray; whether the location can be reached is checked by the coordinator,
+    where the checkpoint runs, before it pauses anyone."""
+    from ray_ckpt.storage.blobstore.locations import open_location
+
+    open_location(directory)
+
+
+@click.group()
+@click.version_option(package_name="ray-ckpt", prog_name="ray-ckpt")
+def main() -> None:
+    """Checkpoint and restore Gym servers on Ray."""
+
+
+main.add_command(list_command)
+main.add_command(gc_command)
+main.add_command(resume)
+main.add_command(forget)
+main.add_command(timeline)
+main.add_command(collect)
+main.add_command(ack)
+
+
+@main.command()
+@cluster_options
+def status(address: str, namespace: str, as_json: bool) -> None:
+    """Participants (kind, phase, checkpoint, lease, live episodes, writes in flight,
+    blockers) and the coordinator's last checkpoint."""
+    from rich.console import Console
+    from rich.table import Table
+
+    try:
+        st = _connect(address, namespace).status()
+    except CheckpointError as exc:
+        fail(exc, as_json)
+    if as_json:
+        emit(st)
+        return
+    title = f"namespace {namespace}: " + (
+        f"checkpoint {st.open_checkpoint} {st.phase}"
+        if st.open_checkpoint
+        else "no checkpoint open"
+    )
+    table = Table(title=title)
+    table.add_column("participant", no_wrap=True)
+    for col in ("kind", "phase", "checkpoint", "lease left", "live", "writes", "blockers"):
+        table.add_column(col)
+    now = st.now if st.now is not None else time.time()
+    for p in st.participants:
+        blockers = ", ".join(_blocker_cell(p)[:5]) + (" …" if p.blocker_count > 5 else "")
+        table.add_row(
+            p.participant,
+            p.kind,
+            p.phase or f"[red]{p.error or '?'}[/red]",
+            p.checkpoint_id or "-",
+            lease_left(p.lease_expires_at, now),
+            "-" if p.live_executions is None else str(p.live_executions),
+            "-" if p.writes_in_flight is None else str(p.writes_in_flight),
+            blockers or "-",
+        )
+    Console().print(table)
+    click.echo(last_checkpoint_line(st.last_checkpoint, now))
+    if st.periodic is not None:
+        click.echo(periodic_line(st.periodic))
+
+
+def _blocker_cell(p: ParticipantStatus) -> list[str]:
+    """Each blocker's key, with its state and step when the participant says them
+    (`blocker_details`); a participant that sends keys only shows keys."""
+    cells: list[str] = []
+    for d in p.blocker_details or [{"key": k} for k in p.blockers]:
+        extra = " ".join(str(d[f]) for f in ("state", "step") if d.get(f) is not None)
+        cells.append(f"{d.get('key')} ({extra})" if extra else str(d.get("key")))
+    return cells
+
+
+@main.command()
+@click.argument("directory")
+@click.option("--scope", "scope", multiple=True, help="Capture key to continue (repeatable).")
+@click.option(
+    "--keep-open",
+    is_flag=True,
+    help="Leave it open (no resume): publish your own checkpoint, then run `resume`.",
+)
+@click.option(
+    "--strict",
+    is_flag=True,
+    help="Refuse (nothing published) if an episode of the scope has no state anywhere.",
+)
+@click.option(
+    "--async",
+    "asynchronous",
+    is_flag=True,
+    help="Resume once captured; write in the background (prints when resumed and when durable).",
+)
+@cluster_options
+def checkpoint(
+    directory: str,
+    scope: tuple[str, ...],
+    keep_open: bool,
+    strict: bool,
+    asynchronous: bool,
+    address: str,
+    namespace: str,
+    as_json: bool,
+) -> None:
+    """Checkpoint every participant into DIRECTORY."""
+    if asynchronous and keep_open:
+        raise click.UsageError("--async resumes the Gym at once: not with --keep-open")
+    try:
+        _location(directory)
+        gym = _connect(address, namespace)
+        if asynchronous:
+            _checkpoint_async(gym, directory, list(scope) or None, strict, as_json)
+            return
+        res = gym.checkpoint(
+            directory, scope=list(scope) or None, resume=not keep_open, strict=strict
+        )
+    except CheckpointError as exc:
+        fail(exc, as_json)
+    if as_json:
+        emit(res)
+        return
+    click.echo(
+        f"checkpoint {res.checkpoint_id} → {res.checkpoint_dir}: {len(res.timings)} participants, "
+        f"{res.total_bytes} bytes, {res.total_s:.3f}s (prepare {res.prepare_s:.3f}s, "
+        f"commit {res.commit_s:.3f}s); {len(res.continued)} episodes continue, "
+        f"{len(res.restart)} start over" + (f" ({', '.join(res.restart)})" if res.restart else "")
+    )
+
+
+def _checkpoint_async(
+    gym: Any, directory: str, scope: list[str] | None, strict: bool, as_json: bool
+) -> None:
+    """Say when the Gym is resumed, then when the checkpoint is durable."""
+    started = time.monotonic()
+    pending = gym.checkpoint(directory, scope=scope, strict=strict, durability="async")
+    resumed_s = time.monotonic() - started
+    res = pending.result
+    if not as_json:
+        click.echo(
+            f"resumed after {resumed_s:.3f}s: {res.checkpoint_id} captured "
+            f"{sum(map(len, res.episode_ids.values()))} episodes from {len(res.timings)} "
+            "participants; writing…"
+        )
+    done = pending.durable()
+    durable_s = time.monotonic() - started
+    if as_json:
+        emit({"checkpoint": res, "durable": done, "resumed_s": resumed_s, "durable_s": durable_s})
+        return
+    click.echo(
+        f"durable after {durable_s:.3f}s: {done.checkpoint_id} → {done.checkpoint_dir}, "
+        f"{done.total_bytes} bytes (the capture held {done.captured_bytes})"
+    )
+
+
+@main.command()
+@click.argument("directory")
+@click.option("--episode", "episodes", multiple=True, help="Capture key to restore (repeatable).")
+@click.option(
+    "--latest",
+    is_flag=True,
+    help="DIRECTORY is a root: restore its newest complete checkpoint (the one LATEST "
+    "names if complete, else the newest by time).",
+)
+@click.option(
+    "--without-gym-manifest",
+    "without_gym_manifest",
+    is_flag=True,
+    help="Accept a DIRECTORY with no gym/_manifest.json (as NeMo Gym's controller writes): "
+    "restore from the participant manifests once each is there, complete, of one checkpoint.",
+)
+@cluster_options
+def restore(
+    directory: str,
+    episodes: tuple[str, ...],
+    latest: bool,
+    without_gym_manifest: bool,
+    address: str,
+    namespace: str,
+    as_json: bool,
+) -> None:
+    """Restore a fresh fleet from DIRECTORY, all or nothing."""
+    try:
+        _location(directory)
+        keys = list(episodes)
+        if latest:
+            # The coordinator picks the checkpoint and, without --episode, its episodes.
+            res = _connect(address, namespace).restore(
+                directory,
+                keys or None,
+                allow_without_gym_manifest=without_gym_manifest,
+                latest=True,
+            )
+        else:
+            if not keys:
+                keys = _checkpointed_episodes(directory, without_gym_manifest)
+            res = _connect(address, namespace).restore(
+                directory, keys, allow_without_gym_manifest=without_gym_manifest
+            )
+    except CheckpointError as exc:
+        fail(exc, as_json)
+    if as_json:
+        emit(res)
+        return
+    total = sum(len(v) for v in res.restored.values())
+    click.echo(
+        f"restored {total} episode attempts from {res.source_checkpoint_id} "
+        f"({res.checkpoint_dir}) in {res.total_s:.3f}s;"
+        f" {len(res.continued)} episodes continue, {len(res.restart)} start over"
+    )
+    for who, why in sorted(res.resume_failures.items()):
+        click.echo(f"  not resumed (its lease will lapse): {who}: {why.get('detail')}", err=True)
+
+
+def _checkpointed_episodes(directory: str, without_gym_manifest: bool = False) -> list[str]:
+    """Every episode any participant's manifest lists (the default restore scope)."""
+    from ray_ckpt.storage import load_manifest, read_gym_manifest
+    from ray_ckpt.storage.root.gym_manifest import has_gym_manifest, read_participant_manifests
+
+    if not without_gym_manifest or has_gym_manifest(directory):
+        gym = read_gym_manifest(directory)
+        cid, members = gym.checkpoint_id, [(e.kind, e.instance) for e in gym.participants]
+    else:
+        cid, found = read_participant_manifests(directory)
+        members = sorted(found)
+        if not all(found[m].ours for m in members):
+            # NeMo Gym's manifests do not list their episodes.
+            raise InvalidRequest(
+                f"the participant manifests in {directory} do not list their episodes: "
+                "name them with --episode"
+            )
+    keys: set[str] = set()
+    for kind, instance in members:
+        manifest = load_manifest(directory, kind=kind, instance=instance, checkpoint_id=cid)
+        keys.update(manifest.episodes)
+    return sorted(keys)
+
+
+@main.command()
+@click.argument("rollout")
+@click.argument("attempt", type=int)
+@cluster_options
+def retire(rollout: str, attempt: int, address: str, namespace: str, as_json: bool) -> None:
+    """Stop and free ROLLOUT's attempts up to ATTEMPT everywhere (callers first)."""
+    try:
+        res = _connect(address, namespace).retire(rollout, attempt)
+    except CheckpointError as exc:
+        fail(exc, as_json)
+    if as_json:
+        emit(res)
+        return
+    for who, keys in sorted(res.retired.items()):
+        click.echo(f"{who}: {', '.join(keys) or '-'}")
+
+
+@main.command()
+@click.argument("directory")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def inspect(directory: str, as_json: bool) -> None:
+    """Verify and summarise a checkpoint directory (no Ray needed)."""
+    from coordination.cli.inspect import inspect_checkpoint, render_inspect
+
+    report = inspect_checkpoint(directory)
+    click.echo(msgspec.json.encode(report).decode() if as_json else render_inspect(report))
+    sys.exit(0 if report.ok else 1)

@@ -1,0 +1,95 @@
+"""`ray-ckpt list` and `ray-ckpt gc`: the checkpoints under a root, no Ray needed.
+
+Both read the root themselves (a directory or an object-store URI), through
+the same catalog the coordinator's `latest` and retention use.
+"""
+
+from __future__ import annotations
+
+import click
+
+from coordination.cli.output import emit, fail, json_option, size, utc_time
+from ray_ckpt.errors import CheckpointError
+from ray_ckpt.storage.root.retention import DEFAULT_GRACE_S
+
+
+@click.command(name="list")
+@click.argument("root")
+@json_option
+def list_command(root: str, as_json: bool) -> None:
+    """The checkpoints under ROOT, oldest first, and which are complete."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from coordination.engine.roots import list_root
+
+    try:
+        entries = list_root(root)
+    except CheckpointError as exc:
+        fail(exc, as_json)
+    if as_json:
+        emit(entries)
+        return
+    # Names come from the store: never read as rich markup.
+    table = Table(title=escape(f"{root}: {len(entries)} checkpoints"))
+    table.add_column("name", no_wrap=True)
+    for col in ("checkpoint ID", "time (UTC)", "participants", "episodes", "bytes"):
+        table.add_column(col, justify="right" if col in ("participants", "episodes") else "left")
+    table.add_column("complete")
+    table.add_column("referenced by")
+    for e in entries:
+        table.add_row(
+            escape(e.name),
+            escape(e.checkpoint_id or "-"),
+            utc_time(e.time),
+            str(e.participants),
+            str(e.episodes),
+            size(e.bytes),
+            "yes" if e.complete else "[red]no[/red]",
+            escape(", ".join(e.referenced_by) or "-"),
+        )
+    Console().print(table)
+
+
+@click.command(name="gc")
+@click.argument("root")
+@click.option("--keep", type=int, required=True, help="Complete checkpoints to keep (>= 1).")
+@click.option("--dry-run", is_flag=True, help="Print the plan; delete nothing.")
+@click.option(
+    "--grace-s",
+    type=float,
+    default=DEFAULT_GRACE_S,
+    show_default=True,
+    help="Temp objects and incomplete checkpoints younger than this are in flight: kept.",
+)
+@json_option
+def gc_command(root: str, keep: int, dry_run: bool, grace_s: float, as_json: bool) -> None:
+    """Keep the KEEP newest complete checkpoints under ROOT; delete the rest.
+
+    An old one goes only once KEEP newer ones are complete; a file a kept
+    checkpoint needs, the one LATEST names, the trainer's own files and
+    anything written to within the grace period always stay."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from coordination.engine.roots import gc_root
+
+    try:
+        plan = gc_root(root, keep, dry_run=dry_run, grace_s=grace_s)
+    except CheckpointError as exc:
+        fail(exc, as_json)
+    if as_json:
+        emit(plan)
+        return
+    verb = "would delete" if plan.dry_run else "deleted"
+    title = f"{root}: {verb} {len(plan.delete)} objects ({size(plan.bytes)}), keep {plan.keep}"
+    table = Table(title=escape(title) + (" (dry run)" if plan.dry_run else ""))
+    table.add_column("checkpoint", no_wrap=True)
+    for col in ("action", "reason", "objects", "bytes"):
+        table.add_column(col)
+    for r in plan.rows:
+        action = r.action if r.action == "keep" else f"[red]{r.action}[/red]"
+        table.add_row(escape(r.name), action, escape(r.reason), str(r.keys), size(r.bytes))
+    Console().print(table)
