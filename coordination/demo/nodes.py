@@ -7,7 +7,9 @@ agent hosts on a worker (the *edge*, never the coordinator's node), the policy
 model and resources hosts on another worker, or on the head when there is
 only one.
 `--kill-node` removes the edge node after the checkpoint (every process on
-it dies at once) and the lost hosts come back on the head.
+it dies at once) and the lost hosts come back on the head.  `node_of` asks an
+actor which node it runs on; `kill_coordinator` ends the coordinator actor
+the job started when the job ends.
 """
 
 from __future__ import annotations
@@ -116,3 +118,21 @@ def start_ray(address: str | None, namespace: str, nodes: int = 1) -> LocalRay:
         local.stop()
         raise
     return local
+
+
+def _node_of(_self: Any) -> str:
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id())
+
+
+async def node_of(actor: Any) -> str:
+    """The node an actor runs on, asked of the actor itself."""
+    return str(await actor.__ray_call__.remote(_node_of))
+
+
+def kill_coordinator(handle: Any) -> None:
+    """Stop the coordinator actor the job started, for good (no restart)."""
+    import ray
+
+    ray.kill(handle.actor, no_restart=True)

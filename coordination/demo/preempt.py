@@ -1,7 +1,7 @@
 """The main job's preemption story: `--until-signal` and `--resume latest`.
 
 `ray-ckpt demo --until-signal --checkpoint-dir ROOT` runs the rollouts with
-signal checkpointing installed (`coordination.signals`) and prints
+signal checkpointing installed (`coordination.triggers.signals`) and prints
 ``in flight: N episodes, send SIGTERM or SIGUSR1`` once work is in flight in
 every state.  SIGUSR1 checkpoints under ROOT and the rollouts go on; SIGTERM
 checkpoints with `stop` and the job exits with status 128+15 after its
@@ -31,10 +31,16 @@ from typing import Any
 
 import msgspec
 
-from coordination.demo.nodes import LocalRay
+from coordination.demo.nodes import LocalRay, kill_coordinator, node_of
+from coordination.demo.options import fleet_config
 from coordination.demo.report import Ui
-from coordination.demo.scenario import Rollouts, resume_stopped_run, uninterrupted
-from coordination.signals import STOP_SIGNALS, SignalCheckpoint, SignalCheckpointing
+from coordination.demo.scenario import (
+    Rollouts,
+    resume_stopped_run,
+    uninterrupted,
+    wait_for_mixed_work,
+)
+from coordination.triggers.signals import STOP_SIGNALS, SignalCheckpoint, SignalCheckpointing
 from participants.fleet import launch_fleet
 from participants.rollout import result_digest
 from ray_ckpt.control.client import data_session
@@ -79,13 +85,7 @@ def say(line: str) -> None:
 
 async def run_preempt(opts: Any, ui: Ui, local: LocalRay) -> tuple[dict[str, Any], int]:
     """The `--until-signal` / `--resume latest` run: (its JSON summary, exit status)."""
-    from coordination.demo.run import (
-        _kill_coordinator,
-        _wait_for_mixed_work,
-        fleet_config,
-        node_of,
-    )
-    from coordination.handle import connect
+    from coordination.client.connect import connect
 
     root: str = opts.checkpoint_dir
     out: dict[str, Any] = {"nodes": local.nodes, "checkpoint_root": root}
@@ -165,7 +165,7 @@ async def run_preempt(opts: Any, ui: Ui, local: LocalRay) -> tuple[dict[str, Any
                     on_stop=lambda _o: stopped.set(),
                 ).install()
                 # A resumed run may never show every state at once: not forever.
-                seen = await _wait_for_mixed_work(fleet, rollouts, 20.0)
+                seen = await wait_for_mixed_work(fleet, rollouts, 20.0)
                 out["in_flight"] = seen
                 say(f"in flight: {seen.get('episodes', 0)} episodes, send SIGTERM or SIGUSR1")
             await _until_done_or_stopped(rollouts, stopped)
@@ -211,7 +211,7 @@ async def run_preempt(opts: Any, ui: Ui, local: LocalRay) -> tuple[dict[str, Any
             checkpointing.uninstall()
         await rollouts.abandon()
         fleet.kill()
-        _kill_coordinator(handle)
+        kill_coordinator(handle)
 
 
 def _stop_signal(joined: list[str]) -> str | None:

@@ -24,13 +24,13 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import click
 import msgspec
 
-from coordination.demo.nodes import LocalRay, start_ray
+from coordination.demo.nodes import LocalRay, kill_coordinator, node_of, start_ray
+from coordination.demo.options import DemoOptions, fleet_config
 from coordination.demo.report import DemoReport, Ui
 from coordination.demo.scenario import (
     Rollouts,
@@ -38,75 +38,10 @@ from coordination.demo.scenario import (
     fleet_stats,
     restore_and_continue,
     uninterrupted,
+    wait_for_mixed_work,
 )
-from participants.fleet import FleetConfig, launch_fleet
+from participants.fleet import launch_fleet
 from ray_ckpt.control.client import data_session
-
-
-@dataclass(frozen=True)
-class DemoOptions:
-    address: str | None
-    namespace: str
-    rollouts: int
-    steps: int
-    seed: int
-    checkpoint_dir: str | None
-    token_delay_s: float
-    step_delay_s: float
-    verify_delay_s: float
-    stagger_s: float
-    nodes: int = 1
-    kill_node: bool = False
-    until_signal: bool = False
-    resume: str | None = None  # "latest"
-    grace_s: float = 25.0
-    timeline: str | None = None  # write the checkpoint's Chrome trace here
-    durability: str = "sync"  # "async": resume once captured, then wait for durable
-    # Completion receipts: the environment holds each result until the driver
-    # acknowledges it; the driver loses the first `lose_replies` replies and
-    # gets those results back by `collect()` after the restore.
-    receipts: bool = True
-    lose_replies: int = 2
-    workers: int = 1  # worker processes per Gym server (ray_ckpt.workers)
-    restore_workers: int | None = None  # the fresh fleet's count (default: workers)
-
-
-def fleet_config(
-    opts: DemoOptions, *, suffix: str, namespace: str, receipts: bool = False
-) -> FleetConfig:
-    return FleetConfig(
-        namespace=namespace,
-        token=uuid.uuid4().hex,
-        token_delay_s=opts.token_delay_s,
-        step_delay_s=opts.step_delay_s,
-        verify_delay_s=opts.verify_delay_s,
-        tokens_per_turn=8,
-        turns_per_step=2,
-        model_seed=opts.seed,
-        suffix=suffix,
-        completion_receipts=receipts,
-        workers=opts.workers,
-    )
-
-
-async def _wait_for_mixed_work(fleet: Any, rollouts: Rollouts, timeout_s: float) -> dict[str, int]:
-    """Poll `/stats` until work is in every state (a generation, a tool call and a
-    verify in flight), or the timeout; returns what was in flight."""
-    deadline = time.monotonic() + timeout_s
-    seen: dict[str, int] = {}
-    while time.monotonic() < deadline and len(rollouts.results) < len(rollouts.tasks):
-        stats = await fleet_stats(fleet)
-        routes = stats["resources"].get("inflight_by_route", {})
-        seen = {
-            "generating": int(stats["model"].get("generating", 0)),
-            "tool_calls": sum(v for k, v in routes.items() if k not in ("verify", "seed_session")),
-            "verifying": int(routes.get("verify", 0)),
-            "episodes": int(stats["environment"].get("live_episodes", 0)),
-        }
-        if seen["generating"] and seen["tool_calls"] and seen["verifying"]:
-            break
-        await asyncio.sleep(0.02)
-    return seen
 
 
 def lost_replies_wanted(opts: DemoOptions) -> int:
@@ -128,7 +63,7 @@ async def _wait_for_lost(rollouts: Rollouts, n: int, timeout_s: float) -> None:
 
 
 async def run_demo(opts: DemoOptions, ui: Ui, ray_nodes: LocalRay | None = None) -> DemoReport:
-    from coordination.handle import connect
+    from coordination.client.connect import connect
 
     ns = opts.namespace
     local = ray_nodes or LocalRay(started=False)
@@ -173,7 +108,7 @@ async def run_demo(opts: DemoOptions, ui: Ui, ray_nodes: LocalRay | None = None)
                 # The first replies are lost (a crash of the driver's calls would
                 # lose them the same way) while the rest are still in flight.
                 await _wait_for_lost(rollouts, to_lose, run_s * 0.6)
-                report.in_flight = await _wait_for_mixed_work(fleet, rollouts, run_s * 0.6)
+                report.in_flight = await wait_for_mixed_work(fleet, rollouts, run_s * 0.6)
             # Replies are lost before the checkpoint only (the checkpoint carries
             # those results); what the driver stored, its store committed.
             rollouts.lose_next = 0
@@ -251,29 +186,12 @@ async def run_demo(opts: DemoOptions, ui: Ui, ray_nodes: LocalRay | None = None)
         if replacement is not None:
             await replacement.stop()
         fleet.kill()
-        _kill_coordinator(handle)
+        kill_coordinator(handle)
 
 
 def write_json(path: str, value: Any) -> None:
     with open(path, "wb") as f:
         f.write(msgspec.json.encode(value))
-
-
-def _node_of(_self: Any) -> str:
-    import ray
-
-    return str(ray.get_runtime_context().get_node_id())
-
-
-async def node_of(actor: Any) -> str:
-    """The node an actor runs on, asked of the actor itself."""
-    return str(await actor.__ray_call__.remote(_node_of))
-
-
-def _kill_coordinator(handle: Any) -> None:
-    import ray
-
-    ray.kill(handle.actor, no_restart=True)
 
 
 @click.command(name="demo")

@@ -216,6 +216,26 @@ async def fleet_stats(fleet: Fleet) -> dict[str, dict[str, Any]]:
     return out
 
 
+async def wait_for_mixed_work(fleet: Fleet, rollouts: Rollouts, timeout_s: float) -> dict[str, int]:
+    """Poll `/stats` until work is in every state (a generation, a tool call and a
+    verify in flight), or the timeout; returns what was in flight."""
+    deadline = time.monotonic() + timeout_s
+    seen: dict[str, int] = {}
+    while time.monotonic() < deadline and len(rollouts.results) < len(rollouts.tasks):
+        stats = await fleet_stats(fleet)
+        routes = stats["resources"].get("inflight_by_route", {})
+        seen = {
+            "generating": int(stats["model"].get("generating", 0)),
+            "tool_calls": sum(v for k, v in routes.items() if k not in ("verify", "seed_session")),
+            "verifying": int(routes.get("verify", 0)),
+            "episodes": int(stats["environment"].get("live_episodes", 0)),
+        }
+        if seen["generating"] and seen["tool_calls"] and seen["verifying"]:
+            break
+        await asyncio.sleep(0.02)
+    return seen
+
+
 @dataclass
 class Continuation:
     """What a restore made of the unfinished rollouts."""

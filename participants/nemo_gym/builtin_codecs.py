@@ -5,18 +5,25 @@ package imports (a server that holds a numpy array has numpy installed).
 Every codec restores an equal object: a generator continues the same stream,
 an array has the same dtype, shape and bytes, a DataFrame the same columns,
 dtypes, index and values.
+
+They register with any `Registry` (what `register_builtins` needs of
+`participants.nemo_gym.codecs.Codecs`), so the registry imports them and
+never the other way round.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ray_ckpt.errors import InvalidCheckpointState
 
-if TYPE_CHECKING:
-    from participants.nemo_gym.codecs import Codecs
+
+class Registry(Protocol):
+    """Where the built-ins go: a codec registry's `register`."""
+
+    def register(self, type_: type, codec: Any, *, tag: str | None = None) -> None: ...
 
 
 class RandomCodec:
@@ -56,7 +63,7 @@ class AttributesCodec:
         return obj
 
 
-def register_builtins(codecs: Codecs) -> None:
+def register_builtins(codecs: Registry) -> None:
     codecs.register(random.Random, RandomCodec(), tag="random.Random")
     try:
         import numpy
@@ -153,7 +160,7 @@ class RandomStateCodec:
         return rng
 
 
-def _register_numpy(codecs: Codecs, np: Any) -> None:
+def _register_numpy(codecs: Registry, np: Any) -> None:
     codecs.register(np.ndarray, NdarrayCodec(), tag="numpy.ndarray")
     codecs.register(np.random.Generator, GeneratorCodec(), tag="numpy.random.Generator")
     codecs.register(np.random.RandomState, RandomStateCodec(), tag="numpy.random.RandomState")

@@ -26,6 +26,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from participants.nemo_gym.builtin_codecs import register_builtins
 from ray_ckpt.errors import InvalidCheckpointState
 
 T = TypeVar("T")
@@ -95,8 +96,6 @@ class Codecs:
         self._by_type: dict[type, _Entry] = {}
         self._by_tag: dict[str, _Entry] = {}
         if builtins:
-            from participants.nemo_gym.builtin_codecs import register_builtins
-
             register_builtins(self)
 
     def register(self, type_: type, codec: SessionCodec, *, tag: str | None = None) -> None:

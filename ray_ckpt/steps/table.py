@@ -1,4 +1,4 @@
-"""`EpisodeSteps`: one Gym server's live episodes, admission and park points.
+"""`EpisodeSteps`: one Gym server's live episodes, admission, park points, retire.
 
 The controller closes admission at prepare and reopens it at resume; between
 the two, every episode must be at a boundary (parked, or inside a replay step)
@@ -6,15 +6,21 @@ for the checkpoint to be ready.  Exported records carry the boundary and the
 index of the next step; a restore installs them under attempt + 1 where the
 replacement attempt claims its boundary exactly once.
 
-This module is the live-episode table and its bookkeeping (admission, begin,
-state counts, free, notify); the park-point rules are in `parking`, the
-restored entries and the closed window's losses in `restored`, and retire's
-task stopping in `retire`.
+One object, one module: the live-episode table and its bookkeeping
+(admission, begin, state counts, free, notify), the park-point rules its
+`StepOwner` hooks apply (which failure parks, when a replay step's boundary
+takes effect, what a cancel does), and retire, the one operation that owns
+other tasks' lifetimes.  What stands on its own is apart, behind narrow
+interfaces that never import the table: the episode types (`episode`), the
+restored entries and the closed window's losses (`restored`), the attempt
+index (`attempts`), retire's marks and scope (`retire_marks`), export and
+the prepare report (`persist`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -24,16 +30,17 @@ from ray_ckpt.clock import SYSTEM_CLOCK, Clock
 from ray_ckpt.errors import AdmissionClosed, InvalidPhase, InvalidRequest, StaleAttempt
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.reports import MAX_REPORTED_BLOCKERS, PrepareReport
-from ray_ckpt.steps import parking
 from ray_ckpt.steps.attempts import AttemptIndex
-from ray_ckpt.steps.episode import Episode, Step
-from ray_ckpt.steps.modes import BLOCKING, EpisodeState
+from ray_ckpt.steps.episode import _UNSET, Episode, Step
+from ray_ckpt.steps.modes import BLOCKING, EpisodeState, StepMode
 from ray_ckpt.steps.persist import build_report, export_records
 from ray_ckpt.steps.restored import RestoredEntries
-from ray_ckpt.steps.retire import retire_attempts
+from ray_ckpt.steps.retire_marks import retire_scope
 from ray_ckpt.storage.records.record import Record
 
 log = logging.getLogger(__name__)
+
+_STEP_STATE = {StepMode.WAIT: EpisodeState.WAIT_STEP, StepMode.REPLAY: EpisodeState.REPLAY_STEP}
 
 
 class EpisodeSteps:
@@ -173,15 +180,103 @@ class EpisodeSteps:
         ep = self._live.get(episode_id)
         return ep.claim() if ep is not None else None
 
-    # The `StepOwner` hooks an episode calls; the park-point rules are in `parking`.
+    # --- park points (the `StepOwner` hooks an episode calls) -------------------
+    #
+    # Both ends of a step, and the end of an episode, are park points: while
+    # admission is closed the episode waits there, at its boundary, so a
+    # prepared participant stays ready and no outcome leaves that a
+    # checkpoint also continues.
+
     async def _enter_step(self, ep: Episode, step: Step) -> None:
-        await parking.enter_step(self, ep, step)
+        if ep.closed:
+            raise InvalidPhase(f"episode {ep.key} is closed")
+        if ep.current is not None:
+            raise InvalidRequest(f"episode {ep.key}: step {ep.current.name!r} is still open")
+        ep.current = step
+        try:
+            await self._park(ep)
+        except BaseException:
+            ep.current = None
+            if self._open or ep.retire_requested:
+                self._transition(ep, EpisodeState.RUNNING)
+            # else: interrupted while parked under a closed checkpoint; it is
+            # still at its boundary, and the episode's end parks again.
+            raise
+        ep.unrecorded_wait = None  # the episode reached this step's start
+        step.started = self.clock.now()
+        self._transition(ep, _STEP_STATE[step.mode])
 
     async def _exit_step(self, ep: Episode, step: Step, *, error: BaseException | None) -> None:
-        await parking.exit_step(self, ep, step, error=error)
+        ep.current = None
+        if ep.closed:
+            return
+        if error is not None:
+            # The step's effects are unknown: keep the boundary before it.
+            if isinstance(error, asyncio.CancelledError) and not ep.deadline_fired:
+                # A cancel that is not the episode's own deadline (shutdown, a
+                # dropped caller; a retire is let through by `_park` anyway)
+                # must end the task, so it never parks; but under a closed
+                # checkpoint the episode stays at its boundary, so a prepared
+                # participant does not turn unready on the way out.
+                ep.park_cancelled = True
+                state = EpisodeState.RUNNING if self._open else EpisodeState.PARKED
+                self._transition(ep, state)
+                return
+            # Any other failure (the deadline inside a wait step included) is
+            # an outcome: it waits here, parked at that boundary, until
+            # admission reopens, so a prepared participant stays ready and the
+            # caller never holds a failure for an episode a checkpoint also
+            # continues.
+            try:
+                await self._park(ep)
+            finally:
+                self._transition(ep, EpisodeState.RUNNING)
+            return
+        if step.recorded:
+            ep.unrecorded_wait = None
+            if step.mode is StepMode.REPLAY and not self._open and not ep.restart:
+                # The closed checkpoint counts this episode as parked before the
+                # step; the step's boundary takes effect only once it reopens.
+                ep._held = step._pending
+            else:
+                self._record(ep, step._pending, step.index + 1)
+        elif step.mode is StepMode.WAIT and not ep.restart:
+            # A wait step that recorded no boundary may still be followed by
+            # `ep.boundary(...)` outside it (misuse): the boundary before the
+            # step is then not safe to export.  Do not park here; the closed
+            # checkpoint keeps waiting for the next park point (the next step
+            # or the end), by when any boundary the step reached is recorded.
+            ep.unrecorded_wait = step.name
+            self._transition(ep, EpisodeState.RUNNING)
+            return
+        try:
+            # A step that records no boundary leaves the episode where it was.
+            await self._park(ep)
+        finally:
+            if ep._held is not _UNSET and self._open:
+                held, ep._held = ep._held, _UNSET
+                self._record(ep, held, step.index + 1)
+            self._transition(ep, EpisodeState.RUNNING)
+
+    def _record(self, ep: Episode, boundary: Any, step_index: int) -> None:
+        ep._boundary = boundary
+        ep.step_index = step_index
+        self._moved(ep)
 
     async def _park(self, ep: Episode) -> None:
-        await parking.park(self, ep)
+        if ep.restart or ep.closed or ep.retire_requested or ep.park_cancelled or self._open:
+            return
+        self._transition(ep, EpisodeState.PARKED)
+        # A checkpoint that closes again before the episode wakes keeps it parked.
+        try:
+            while not self._open:
+                await self._opened.wait()
+        except asyncio.CancelledError:
+            # Cancelled while parked (shutdown, a dropped caller): stop parking,
+            # or the cancel would be swallowed by the next park point.  If
+            # the episode then ends, a commit naming it fails (`EpisodeNotHeld`).
+            ep.park_cancelled = True
+            raise
 
     def _moved(self, ep: Episode) -> None:
         """The episode recorded a boundary of its own: its restored entry is spent."""
@@ -240,8 +335,44 @@ class EpisodeSteps:
         return self._counts[EpisodeState.RETIRING]
 
     async def retire(self, episode_ids: Sequence[EpisodeId]) -> list[str]:
-        """Stop every covered attempt and wait for it (`ray_ckpt.steps.retire`)."""
-        return await retire_attempts(self, episode_ids)
+        """Stop every attempt <= the given one of each rollout, wait, free.
+
+        Each attempt's task is cancelled once (a second cancel would interrupt
+        its cleanup) and awaited, so its `finally:` blocks have run when this
+        returns.  If this call is itself cancelled (a control deadline), the
+        attempts keep stopping and stay blockers in state `retiring` until
+        they do, freed from their task's done callback; a later retire waits
+        for them again.  Returns capture keys.
+        """
+        covered = retire_scope(episode_ids)
+
+        keys = self._restored.retire(covered, self._live)
+        me = asyncio.current_task()
+        stopping: set[asyncio.Task[Any]] = set()
+        for ep in [ep for eid, ep in self._live.items() if covered(eid)]:
+            keys.add(ep.key)
+            if not self._open:
+                self._restored.retired(ep.id)
+            task = ep.task
+            if task is None or task.done() or task is me:
+                self._free(ep, completed=False)
+                continue
+            if not ep.retire_requested:
+                ep.retire_requested = True
+                self._transition(ep, EpisodeState.RETIRING)
+                # Freed when the task ends, even if this retire is cancelled first.
+                task.add_done_callback(functools.partial(self._stopped, ep))
+                task.cancel()
+            stopping.add(task)
+        if keys:
+            self._changed()
+        if stopping:
+            # asyncio.wait, not gather: cancelling us must not cancel them again.
+            await asyncio.wait(stopping)
+        return sorted(keys)
+
+    def _stopped(self, ep: Episode, _task: asyncio.Task[Any]) -> None:
+        self._free(ep, completed=False)
 
     # --- bookkeeping -----------------------------------------------------------
 
