@@ -265,14 +265,18 @@ class SimGym(SeqGym):
         self.began: dict[str, bool] = {}
         self.side: SideServer | None = None
 
-    def _write_manifest(self, d: str, cid: str, manifests: list[dict[str, Any]]) -> None:
-        if self.manifest_delay_s:
-            time.sleep(self.manifest_delay_s)
-        write_gym_manifest_from_replies(d, cid, manifests)
+    def _write_manifest(self, d: str, cid: str, manifests: list[dict[str, Any]]) -> Any:
+        # One write is slow (the next checkpoint's is not): so a later
+        # checkpoint can publish before an earlier one that is still writing.
+        delay, self.manifest_delay_s = self.manifest_delay_s, 0.0
+        if delay:
+            time.sleep(delay)
+        return write_gym_manifest_from_replies(d, cid, manifests)
 
     def _write_latest(self, d: str, cid: str) -> None:
-        if self.latest_delay_s:
-            time.sleep(self.latest_delay_s)
+        delay, self.latest_delay_s = self.latest_delay_s, 0.0
+        if delay:
+            time.sleep(delay)
         write_latest_quietly(d, cid)
 
     @property
@@ -688,8 +692,11 @@ class Simulation:
         ]
         self.captured[d] = sorted(env)
 
-    def _arm_checkpoint_faults(self) -> list[str]:
+    def _arm_checkpoint_faults(self, how: str) -> list[str]:
         armed = []
+        # An asynchronous checkpoint publishes late: where a slow Gym manifest
+        # or LATEST of its own matters most (the next one may publish first).
+        slow = 0.6 if how == "whole_async" else 0.3
         keys = [k for k in self.gym.keys if k not in self.gym.dead]
         if self.chance("write_fail"):
             k = self.rng.choice(keys)
@@ -705,10 +712,10 @@ class Simulation:
             self.gym.lose_replies[k] = op
             armed.append(f"reply_lost {k} {op}")
         self.gym.manifest_delay_s = (
-            self.rng.uniform(0.03, 0.15) if self.chance("manifest_delay") else 0.0
+            self.rng.uniform(0.03, 0.15) if self.chance("manifest_delay", slow) else 0.0
         )
         self.gym.latest_delay_s = (
-            self.rng.uniform(0.03, 0.15) if self.chance("latest_delay") else 0.0
+            self.rng.uniform(0.03, 0.15) if self.chance("latest_delay", slow) else 0.0
         )
         if self.gym.manifest_delay_s:
             armed.append(f"manifest_delay {self.gym.manifest_delay_s:.3f}")
@@ -722,7 +729,7 @@ class Simulation:
         self.gym.lose_replies.clear()
 
     async def checkpoint(self, how: str) -> None:
-        armed = self._arm_checkpoint_faults()
+        armed = self._arm_checkpoint_faults(how)
         deadline = self.chance("deadline", 0.2) and how in ("whole_sync", "split")
         if deadline:
             armed.append("deadline")
@@ -731,10 +738,11 @@ class Simulation:
         failed = await self._take(how, d, prepare_s=0.0005 if deadline else None)
         self._disarm()
         if failed is None:
-            if how == "whole_async" and self.rng.random() < 0.5:
+            if how == "whole_async" and self.rng.random() < 0.7:
                 # Overlapping: the next checkpoint opens while this one still
                 # publishes (its Gym manifest or LATEST still delayed as armed).
-                then, d2 = self.rng.choice(["split", "whole_sync", "signal"]), self._new_dir()
+                then = self.rng.choice(["split", "split", "whole_sync", "signal"])
+                d2 = self._new_dir()
                 again = await self._take(then, d2, None)
                 self.log.append(f"  then {then} {Path(d2).name}: {again or 'ok'}")
             return
@@ -956,6 +964,9 @@ class Simulation:
         except CheckpointError:
             return
         self.log.append(f"restore_live {Path(where).name}")
+        # A run started late (a random delay of at most 10 ms) reaches the
+        # server by now: whether an episode began is then what the fleet knows.
+        await asyncio.sleep(0.015)
         served = bool(self.gym.began)  # an episode began on this fleet
         try:
             result = await self.gym.core.restore(where, episodes)
