@@ -20,7 +20,7 @@ import pytest
 
 from coordination.actor.actor_options import default_state_dir
 from coordination.actor.gcs import kv_get, kv_key
-from coordination.demo.run import node_of
+from coordination.demo.nodes import node_of
 from participants.fleet import KIND_ORDER, launch_fleet
 from ray_ckpt.control.client import data_session
 from ray_ckpt.storage import verify_checkpoint

@@ -26,7 +26,7 @@ import aiohttp
 import pytest
 
 from coordination.client.handle import CoordinatorHandle
-from coordination.demo.run import node_of
+from coordination.demo.nodes import node_of
 from coordination.demo.scenario import Rollouts, restore_and_continue
 from coordination.triggers.drain import DrainOutcome, DrainWatcher, RayDrainSource
 from coordination.triggers.signals import Budget

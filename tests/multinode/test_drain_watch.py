@@ -20,7 +20,7 @@ import pytest
 import ray
 
 from coordination.actor.drain_control import DrainStatus
-from coordination.demo.run import node_of
+from coordination.demo.nodes import node_of
 from participants.fleet import KIND_ORDER, Fleet, FleetConfig
 from participants.fleet_relaunch import FleetRelauncher
 from ray_ckpt.control.client import data_session

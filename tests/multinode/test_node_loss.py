@@ -31,7 +31,7 @@ import ray
 from coordination.actor.actor_options import coordinator_options
 from coordination.actor.coordinator import Coordinator
 from coordination.client.handle import CoordinatorHandle
-from coordination.demo.run import node_of
+from coordination.demo.nodes import node_of
 from coordination.demo.scenario import Rollouts, restore_and_continue
 from participants.fleet import Fleet, FleetConfig, launch_fleet
 from ray_ckpt.control.client import data_session
