@@ -45,7 +45,7 @@ import aiohttp
 import ray
 from pydantic import SecretStr
 
-from coordination.client import connect
+from coordination import connect
 from ray_ckpt.gym_server.spec import ServerSpec, settings_dict
 from ray_ckpt.hosting.host import start_host, stop_host
 from ray_ckpt.settings import CheckpointSettings

@@ -1,7 +1,7 @@
 """The programmatic handle: attach to a cluster, get the coordinator, drive it.
 
 ```python
-from coordination.client import connect
+from coordination import connect
 
 gym = connect(namespace="rl-run-7")              # ray.init(address="auto") if needed
 result = gym.checkpoint("/ckpt/step-100", scope=continued)

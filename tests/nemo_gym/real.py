@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 from pydantic import SecretStr
 
-from coordination.client import connect
+from coordination import connect
 from coordination.client.handle import CoordinatorHandle
 from ray_ckpt.gym_server.spec import ServerSpec, settings_dict
 from ray_ckpt.hosting.host import relaunch_host, start_host, stop_host

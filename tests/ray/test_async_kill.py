@@ -16,7 +16,7 @@ from pydantic import SecretStr
 
 from coordination.actor.actor_options import COORDINATOR_NAME
 from coordination.cli.inspect import inspect_checkpoint
-from coordination.client import connect
+from coordination import connect
 from ray_ckpt.errors import CoordinationFailed
 from ray_ckpt.gym_server.spec import ServerSpec, settings_dict
 from ray_ckpt.hosting.host import start_host, stop_host

@@ -10,7 +10,7 @@ import pytest
 import ray
 from ray.exceptions import RayError
 
-from coordination.client import connect
+from coordination import connect
 from coordination.client.handle import CoordinatorHandle
 from ray_ckpt.errors import (
     CheckpointConflict,

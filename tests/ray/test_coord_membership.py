@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import ray
 
-from coordination.client import connect
+from coordination import connect
 from ray_ckpt.errors import CoordinationFailed
 from tests.actors import wait_dead
 from tests.ray.coord_actors import start_host

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import ray
 
-from coordination.client import connect
+from coordination import connect
 from ray_ckpt.errors import CoordinationFailed, ParticipantUnavailable, StaleCheckpoint
 from ray_ckpt.storage import read_gym_manifest
 from tests.ray.coord_actors import start_controlled, start_host

@@ -15,7 +15,7 @@ import pytest
 import ray
 
 from coordination.actor.actor_options import COORDINATOR_NAME
-from coordination.client import connect
+from coordination import connect
 from participants.fleet import FleetConfig, launch_fleet
 from ray_ckpt.hosting.metrics import SECONDS_BOUNDARIES
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import ray
 
-from coordination.client import connect
+from coordination import connect
 from coordination.client.handle import CoordinatorHandle
 from coordination.engine.results import PeriodicStatus
 from ray_ckpt.errors import CheckpointConflict, InvalidRequest, ParticipantUnavailable

@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from coordination.actor.actor_options import COORDINATOR_NAME
-from coordination.client import connect
+from coordination import connect
 from participants.fleet import FleetConfig, launch_fleet
 from participants.rollout import make_tasks, run_episode
 from ray_ckpt.errors import ParticipantNotFresh

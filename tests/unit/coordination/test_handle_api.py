@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import inspect
 
-from coordination import CoordinatorHandle, aconnect
-from coordination.client import connect
+from coordination import CoordinatorHandle, aconnect, connect
 
 # Installing signal handlers is synchronous by nature (the handlers then
 # schedule work on the running loop).
