@@ -1,7 +1,7 @@
 """Benchmark: one full checkpoint cycle through the Coordinator actor.
 
 For each P (default 4, 16, 64) it starts P participant host actors (a real
-`ParticipantController` over a trivial always-ready participant, real file
+`ParticipantEngine` over a trivial always-ready participant, real file
 storage), spread round-robin over the four kinds, and measures, interleaved
 over several repetitions (medians reported):
 
@@ -127,13 +127,13 @@ class BenchHost(NamedControlOps):
     actor methods come from `NamedControlOps`, as in `ParticipantHost`)."""
 
     def __init__(self, kind: str, name: str) -> None:
-        from ray_ckpt.control.controller import ParticipantController
+        from ray_ckpt.control.engine import ParticipantEngine
         from ray_ckpt.settings import CheckpointSettings
 
         settings = CheckpointSettings.model_validate(
             {"enabled": True, "control_auth_token": "bench"}
         )
-        self.ctrl = ParticipantController(EmptyParticipant(kind), instance=name, settings=settings)
+        self.ctrl = ParticipantEngine(EmptyParticipant(kind), instance=name, settings=settings)
 
     async def call(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self.ctrl.handle(op, body)

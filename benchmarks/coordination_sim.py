@@ -30,7 +30,7 @@ from coordination.reach.hosts import FakeHost
 
 KINDS = ("environment", "model", "agent", "resources")
 # Every reply a participant with nothing in flight gives (the shapes our
-# `ParticipantController` answers with; the commit's manifest is filled in).
+# `ParticipantEngine` answers with; the commit's manifest is filled in).
 _PREPARED = {
     "phase": "prepared",
     "report": {

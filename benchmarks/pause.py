@@ -1,6 +1,6 @@
 """Benchmark: how long a checkpoint pauses the Gym, synchronous vs asynchronous commit.
 
-`--hosts` (default 4) host actors, each a real `ParticipantController` over
+`--hosts` (default 4) host actors, each a real `ParticipantEngine` over
 a participant holding its share of `--sessions` (default 1,000) states of
 35 or 350 KB (the storage benchmark's text mix, `benchmarks/storage_data.py`),
 real files (every checkpoint full).  Each host serves a steady load of data
@@ -109,7 +109,7 @@ class LoadedParticipant:
 class PauseHost(NamedControlOps):
     def __init__(self, kind: str, name: str, sessions: int, kb: int, offset: int) -> None:
         from benchmarks.storage_data import build
-        from ray_ckpt.control.controller import ParticipantController
+        from ray_ckpt.control.engine import ParticipantEngine
         from ray_ckpt.settings import CheckpointSettings
         from ray_ckpt.storage.records.record import Record
         from ray_ckpt.storage.seam import FileRecordStore
@@ -122,7 +122,7 @@ class PauseHost(NamedControlOps):
         settings = CheckpointSettings.model_validate(
             {"enabled": True, "control_auth_token": "bench"}
         )
-        self.ctrl = ParticipantController(
+        self.ctrl = ParticipantEngine(
             self.part, instance=name, settings=settings, store=FileRecordStore(full_every=1)
         )
         self.served: list[float] = []

@@ -2,14 +2,14 @@
 
 - participant hooks per kind: `PolicyModelParticipant`, `AgentParticipant`,
   `ResourcesParticipant` (+ `SessionHooks`, `ResourcesMode`); the environment
-  uses `ray_ckpt.steps.participant.EpisodeParticipant` over `EpisodeSteps`;
+  uses `ray_ckpt.steps.episode_participant.EpisodeParticipant` over `EpisodeSteps`;
 - reference servers (GymServer factories) in `participants.servers.*`;
 - `launch_fleet` (Ray hosts) and `start_local_fleet` (in-process);
   `participants.fleet_relaunch.FleetRelauncher` moves the fleet off draining
   nodes;
 - `participants.nemo_gym`: real, unmodified NeMo Gym servers (`wrap`, session
   codecs);
-- the controller-side driver: `run_episode`, `make_tasks`, `result_digest`.
+- the engine-side driver: `run_episode`, `make_tasks`, `result_digest`.
 """
 
 from participants.agent import AgentParticipant

@@ -55,7 +55,7 @@ class AgentParticipant:
         self.gate = AdmissionGate()
         self._notify: Callable[[], None] = lambda: None
 
-    # --- controller side -----------------------------------------------------
+    # --- engine side -----------------------------------------------------
     def bind(self, notify: Callable[[], None]) -> None:
         self._notify = notify
         self.steps.bind(notify)
@@ -87,7 +87,7 @@ class AgentParticipant:
 
     def retiring(self) -> int:
         # The attempts being stopped right now (`status.retiring`): a stop
-        # outlives a retire call that gave up, so the controller's count of
+        # outlives a retire call that gave up, so the engine's count of
         # calls in flight would undercount.
         return self.steps.retiring()
 

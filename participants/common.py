@@ -28,7 +28,7 @@ from ray_ckpt.errors import (
 from ray_ckpt.identity import EpisodeId
 
 if TYPE_CHECKING:
-    from ray_ckpt.control.controller import ParticipantController
+    from ray_ckpt.control.engine import ParticipantEngine
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -133,23 +133,23 @@ class Downstream:
 
 
 class ServerBase:
-    """What every reference server shares: name, controller, stats, downstream pool."""
+    """What every reference server shares: name, engine, stats, downstream pool."""
 
     kind: str
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.controller: ParticipantController | None = None
+        self.engine: ParticipantEngine | None = None
         self.calls: Counter[str] = Counter()  # per route
         self.downstream = Downstream()
 
-    def attach(self, controller: ParticipantController) -> None:
-        self.controller = controller
+    def attach(self, engine: ParticipantEngine) -> None:
+        self.engine = engine
 
     def check_attempt(self, episode: EpisodeId) -> None:
         """Refuse a retired attempt (`stale_attempt`); a no-op with checkpointing off."""
-        if self.controller is not None:
-            self.controller.retired.check(episode)
+        if self.engine is not None:
+            self.engine.retired.check(episode)
 
     async def aclose(self) -> None:
         await self.downstream.aclose()

@@ -44,7 +44,7 @@ from ray_ckpt.errors import (
 from ray_ckpt.identity import EpisodeId, is_result_key
 from ray_ckpt.reports import Blocker, PrepareReport, Receipt
 from ray_ckpt.steps import Episode, EpisodeSteps, restart_from_headers, verify_mode_from_headers
-from ray_ckpt.steps.participant import EpisodeParticipant
+from ray_ckpt.steps.episode_participant import EpisodeParticipant
 from ray_ckpt.steps.receipts import ResultReceipts
 from ray_ckpt.storage.records.record import Record
 
@@ -52,7 +52,7 @@ from ray_ckpt.storage.records.record import Record
 class EnvironmentParticipant(EpisodeParticipant):
     """The `EpisodeSteps` hooks, plus the held results when receipts are on.
 
-    `receipts` is the optional hook the controller's `ack` and `collect`
+    `receipts` is the optional hook the engine's `ack` and `collect`
     look up: None (receipts off) keeps every hook exactly the episodes' own."""
 
     def __init__(self, steps: EpisodeSteps, receipts: ResultReceipts | None = None) -> None:

@@ -1,8 +1,8 @@
 """The reference fleet in the current event loop, without Ray (tests, quick demos).
 
 Each server is built by its factory exactly as a `ParticipantHost` builds it,
-gets its own `ParticipantController` and control routes, and listens on a
-loopback port; `LocalFleet.controllers` drives the phases directly.
+gets its own `ParticipantEngine` and control routes, and listens on a
+loopback port; `LocalFleet.engines` drives the phases directly.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from participants.fleet import KIND_ORDER, START_ORDER, FleetConfig, factory_options
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.control.routes import maybe_install_control_routes
 from ray_ckpt.gym_server.serving import Serving, bind_socket, serve_app, socket_address
 from ray_ckpt.gym_server.spec import GymServer, ServerSpec, load_server, settings_dict
@@ -22,14 +22,14 @@ from ray_ckpt.gym_server.spec import GymServer, ServerSpec, load_server, setting
 @dataclass
 class LocalServer:
     server: GymServer
-    controller: ParticipantController | None
+    engine: ParticipantEngine | None
     url: str
     serving: Serving
 
     async def stop(self) -> None:
         await self.serving.stop()
-        if self.controller is not None:
-            await self.controller.aclose()
+        if self.engine is not None:
+            await self.engine.aclose()
         await self.server.aclose()
 
 
@@ -43,8 +43,8 @@ class LocalFleet:
         return {kind: s.url for kind, s in self.servers.items()}
 
     @property
-    def controllers(self) -> dict[str, ParticipantController]:
-        return {k: s.controller for k, s in self.servers.items() if s.controller is not None}
+    def engines(self) -> dict[str, ParticipantEngine]:
+        return {k: s.engine for k, s in self.servers.items() if s.engine is not None}
 
     def server(self, kind: str) -> Any:
         return self.servers[kind].server
@@ -77,16 +77,16 @@ async def start_local_server(
     app = server.app()
     if not isinstance(app, web.Application):
         raise TypeError("the reference servers are aiohttp apps")
-    controller = None
+    engine = None
     if settings.enabled:
-        controller = ParticipantController(server.participant, instance=name, settings=settings)
-        server.attach(controller)
-        maybe_install_control_routes(app, controller, settings)
-        controller.start()
+        engine = ParticipantEngine(server.participant, instance=name, settings=settings)
+        server.attach(engine)
+        maybe_install_control_routes(app, engine, settings)
+        engine.start()
     sock = bind_socket("127.0.0.1", 0)
     host, port = socket_address(sock)
     serving = await serve_app(app, sock, drain_s=drain_s)
-    return LocalServer(server, controller, f"http://{host}:{port}", serving)
+    return LocalServer(server, engine, f"http://{host}:{port}", serving)
 
 
 async def start_local_fleet(config: FleetConfig) -> LocalFleet:

@@ -73,10 +73,10 @@ class PolicyModelParticipant:
         self.finishing: set[EpisodeId] = set()  # closed while a checkpoint is open
         self.counts: Counter[str] = Counter()
         self.gate = AdmissionGate()
-        # With checkpointing off (no controller) the server passes False:
+        # With checkpointing off (no engine) the server passes False:
         # nothing is recorded, so nothing can grow.
         self.recording = recording
-        # The controller's retire marks (the server wires them in at attach).
+        # The engine's retire marks (the server wires them in at attach).
         self.retired: Callable[[EpisodeId], bool] = lambda episode: False
         # Called with a finished attempt's rows as they are freed: where a
         # trainer's collector takes the trajectory (NeMo Gym's token store).
@@ -86,7 +86,7 @@ class PolicyModelParticipant:
         self._next_index = 0
         self._notify: Callable[[], None] = lambda: None
 
-    # --- controller side -----------------------------------------------------
+    # --- engine side -----------------------------------------------------
     def bind(self, notify: Callable[[], None]) -> None:
         self._notify = notify
 
@@ -190,7 +190,7 @@ class PolicyModelParticipant:
         return [e.capture_key for e in freed]
 
     def forget(self, rollout_ids: Sequence[str]) -> list[str]:
-        """Free every attempt of rollouts the controller is done with."""
+        """Free every attempt of rollouts the engine is done with."""
         covered = _covers_rollouts(rollout_ids)
         for call in self.calls.values():
             if covered(call.episode):

@@ -81,7 +81,7 @@ class ResourcesParticipant:
         self._installed = False
         self._notify: Callable[[], None] = lambda: None
 
-    # --- controller side -----------------------------------------------------
+    # --- engine side -----------------------------------------------------
     def bind(self, notify: Callable[[], None]) -> None:
         self._notify = notify
 

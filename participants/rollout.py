@@ -1,4 +1,4 @@
-"""The controller side of a rollout: run episodes against an environment server.
+"""The engine side of a rollout: run episodes against an environment server.
 
 ```python
 async with data_session(64, 64) as session:

@@ -10,7 +10,7 @@ their modules: `ray_ckpt.hosting.host`, `ray_ckpt.hosting.sidecar`,
 from ray_ckpt.clock import Clock, ManualClock, SystemClock
 from ray_ckpt.control.asgi import ControlASGIMiddleware
 from ray_ckpt.control.client import ControlClient, data_session
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.control.phase_machine import Phase
 from ray_ckpt.control.protocol import KINDS, Participant
 from ray_ckpt.control.routes import (
@@ -22,7 +22,7 @@ from ray_ckpt.errors import CheckpointError, Reason
 from ray_ckpt.identity import EpisodeId, parse_rollout_path, rollout_path
 from ray_ckpt.settings import CheckpointSettings, load_settings, settings_from_dict
 from ray_ckpt.steps import EpisodeSteps, StepMode
-from ray_ckpt.steps.participant import EpisodeParticipant
+from ray_ckpt.steps.episode_participant import EpisodeParticipant
 from ray_ckpt.storage.records.record import Record, check_json
 
 __all__ = [
@@ -38,7 +38,7 @@ __all__ = [
     "EpisodeSteps",
     "ManualClock",
     "Participant",
-    "ParticipantController",
+    "ParticipantEngine",
     "Phase",
     "Reason",
     "Record",

@@ -34,7 +34,7 @@ from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.storage.records.record import Record
 
 if TYPE_CHECKING:
-    from ray_ckpt.control.controller import ParticipantController
+    from ray_ckpt.control.engine import ParticipantEngine
 
 SETTINGS_ENV = "RAY_CKPT_TEST_SETTINGS"
 
@@ -94,13 +94,13 @@ class TableParticipant:
     async def delete_restored(self, keep: Sequence[EpisodeId]) -> list[str]:
         return []
 
-    def put(self, key: str, state: Any, controller: ParticipantController | None) -> None:
+    def put(self, key: str, state: Any, engine: ParticipantEngine | None) -> None:
         """A data call: refused while admission is closed or for a retired attempt."""
         if not self.admission_open:
             raise AdmissionClosed("a checkpoint is in progress")
         episode = EpisodeId.from_capture_key(key)
-        if controller is not None:
-            controller.retired.check(episode)
+        if engine is not None:
+            engine.retired.check(episode)
         self.served = True
         self.table[key] = state
         self._notify()
@@ -111,11 +111,11 @@ class _TableServer:
         self.kind = kind
         self.name = name
         self.participant = TableParticipant(kind)
-        self.controller: ParticipantController | None = None
+        self.engine: ParticipantEngine | None = None
         self.closed = False
 
-    def attach(self, controller: ParticipantController) -> None:
-        self.controller = controller
+    def attach(self, engine: ParticipantEngine) -> None:
+        self.engine = engine
 
     async def aclose(self) -> None:
         self.closed = True
@@ -135,7 +135,7 @@ class AiohttpTableServer(_TableServer):
 
     async def _put(self, request: web.Request) -> web.Response:
         try:
-            self.participant.put(request.match_info["key"], await request.json(), self.controller)
+            self.participant.put(request.match_info["key"], await request.json(), self.engine)
         except CheckpointError as exc:
             return web.json_response(exc.to_body(), status=exc.http_status)
         return web.json_response({"stored": request.match_info["key"]})
@@ -162,7 +162,7 @@ class FastAPITableServer(_TableServer):
         async def put(request: Request) -> JSONResponse:
             key = request.path_params["key"]
             try:
-                self.participant.put(key, orjson.loads(await request.body()), self.controller)
+                self.participant.put(key, orjson.loads(await request.body()), self.engine)
             except CheckpointError as exc:
                 return JSONResponse(exc.to_body(), status_code=exc.http_status)
             return JSONResponse({"stored": key})
@@ -210,9 +210,9 @@ async def _run_sidecar(kind: str, name: str, host: str, port: int) -> None:
     settings = CheckpointSettings.model_validate_json(os.environ.get(SETTINGS_ENV, "{}"))
     server = AiohttpTableServer(kind, name)
     app = server.app()
-    controller = install_sidecar(app, server.participant, settings, instance=name)
-    if controller is not None:
-        server.attach(controller)
+    engine = install_sidecar(app, server.participant, settings, instance=name)
+    if engine is not None:
+        server.attach(engine)
     sock = bind_socket(host, port)
     bound_host, bound_port = socket_address(sock)
     serving = await serve_app(app, sock, drain_s=2.0)

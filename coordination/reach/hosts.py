@@ -145,7 +145,7 @@ class HttpHost:
 class FakeHost:
     """In-process participant for unit tests, with faults on demand.
 
-    Drives `target` (e.g. a real `ParticipantController` over a fake
+    Drives `target` (e.g. a real `ParticipantEngine` over a fake
     participant) directly.  `hang` ops never answer until cancelled, `fail`
     ops raise the given error, `dead` makes every call unavailable, and
     `delay` sleeps before answering; a `dead` host is also `gone` (its actor

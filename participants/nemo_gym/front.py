@@ -44,7 +44,7 @@ from ray_ckpt.identity import EpisodeId, parse_rollout_path
 from ray_ckpt.steps import StepMode, seed_session_headers
 
 if TYPE_CHECKING:
-    from ray_ckpt.control.controller import ParticipantController
+    from ray_ckpt.control.engine import ParticipantEngine
 
 # Where the front leaves the capture key for the session layer (an ASGI scope extension).
 SCOPE_KEY = "ray_ckpt.capture_key"
@@ -210,7 +210,7 @@ class EpisodeFront:
         self.app = app
         self.drop_cookie = None if session_cookie is None else f"{session_cookie}=".encode()
         self.participant = participant
-        self.controller: ParticipantController | None = None
+        self.engine: ParticipantEngine | None = None
         self.verify_mode = verify_mode
         self.seed_routes = frozenset(seed_routes)
         self.end_routes = frozenset(end_routes)
@@ -220,8 +220,8 @@ class EpisodeFront:
         self.seed_headers = seed_session_headers(verify=verify_mode, restart=restart)
 
     def _check(self, episode: EpisodeId) -> None:
-        if self.controller is not None:
-            self.controller.retired.check(episode)
+        if self.engine is not None:
+            self.engine.retired.check(episode)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

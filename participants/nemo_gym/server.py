@@ -29,7 +29,7 @@ from participants.nemo_gym.finished import WrappedResources
 from participants.nemo_gym.front import EpisodeFront, bind_sessions, has_route
 from participants.resources import ResourcesMode
 from ray_ckpt.control.asgi import ASGIApp
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.settings import CheckpointSettings
@@ -169,10 +169,10 @@ class NemoGymServer:
             )
         return self.front
 
-    def attach(self, controller: ParticipantController) -> None:
+    def attach(self, engine: ParticipantEngine) -> None:
         self.app()
         assert self.front is not None
-        self.front.controller = controller
+        self.front.engine = engine
 
     async def aclose(self) -> None:
         """Nothing to release: the server's state lives in this process."""
@@ -183,11 +183,11 @@ class NemoGymServer:
         forwards to it)."""
         from ray_ckpt.hosting.sidecar import wrap_asgi_sidecar
 
-        app, controller = wrap_asgi_sidecar(
+        app, engine = wrap_asgi_sidecar(
             self.app(), self.participant, settings, instance=instance
         )
-        if controller is not None:
-            self.attach(controller)
+        if engine is not None:
+            self.attach(engine)
         return app
 
 

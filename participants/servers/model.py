@@ -43,7 +43,7 @@ from ray_ckpt.errors import InvalidRequest
 from ray_ckpt.settings import CheckpointSettings
 
 if TYPE_CHECKING:
-    from ray_ckpt.control.controller import ParticipantController
+    from ray_ckpt.control.engine import ParticipantEngine
 
 CONVERSATION_FIELDS = ("model", "input", "tools")
 # Request fields that cannot change which tokens come out (bookkeeping and
@@ -132,16 +132,16 @@ class ModelServer(ServerBase):
         self.seed = seed
         self.tokens_per_turn = tokens_per_turn
         self.token_delay_s = token_delay_s
-        # Nothing is recorded until a controller attaches (checkpointing on).
+        # Nothing is recorded until a engine attaches (checkpointing on).
         self.participant = PolicyModelParticipant(recording=False)
         self.generated = 0
         self.continued = 0
 
-    def attach(self, controller: ParticipantController) -> None:
-        super().attach(controller)
+    def attach(self, engine: ParticipantEngine) -> None:
+        super().attach(engine)
         self.participant.recording = True
-        # Read through the controller: its marks object is a public attribute.
-        self.participant.retired = lambda episode: controller.retired.is_retired(episode)
+        # Read through the engine: its marks object is a public attribute.
+        self.participant.retired = lambda episode: engine.retired.is_retired(episode)
 
     def app(self) -> web.Application:
         app = web.Application()

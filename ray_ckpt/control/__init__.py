@@ -2,7 +2,7 @@
 
 - `phase_machine` — the pure phase machine: transitions, fencing (stale →
   conflict → phase), the replay cache, lease arithmetic;
-- `controller` — `ParticipantController`, which carries out what the machine
+- `engine` — `ParticipantEngine`, which carries out what the machine
   decides: every operation's order of steps reads there;
 - `commit` — the write-once export and its store write (`Commits`, `Write`);
   `capture` — an asynchronous commit's true copy of the exported states;
@@ -18,5 +18,5 @@
   ASGI (e.g. FastAPI) front over the same gate;
 - `client` — the control client and its reserved connection pool;
 - `admission` — the gate closed from prepare to resume;
-- `observer` — what a controller reports to its host's metrics.
+- `observer` — what a engine reports to its host's metrics.
 """

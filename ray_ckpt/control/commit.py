@@ -2,14 +2,14 @@
 
 A commit exports the participant's episodes once and stores those records;
 a retried commit (same directory and scope) awaits, or restarts after a
-failure, that same write instead of exporting again.  The controller keeps
+failure, that same write instead of exporting again.  The engine keeps
 the phase machine, the lock, the write registry and the commit's order of
 steps (the release steps after the write included); `Commits` does the work
 of each step on the participant and the store, and the `Write` record carries
 one write's lifecycle (start, retry, stop, close).
 
 `Commits` is given the participant once; the store and the clock at each
-call, because they are the controller's replaceable attributes (a host or a
+call, because they are the engine's replaceable attributes (a host or a
 test swaps the store), and a write must use the one in place when it starts.
 """
 
@@ -40,9 +40,9 @@ from ray_ckpt.reports import MAX_REPORTED_BLOCKERS
 from ray_ckpt.storage.records.record import Record, check_json
 from ray_ckpt.storage.seam import RecordStore, StopHandle
 
-# The controller's logger, not this module's: moving the code out of the
-# controller must not move its warnings away from the operators' log filters.
-log = logging.getLogger("ray_ckpt.control.controller")
+# The engine's logger, not this module's: moving the code out of the
+# engine must not move its warnings away from the operators' log filters.
+log = logging.getLogger("ray_ckpt.control.engine")
 
 CommitScope = tuple[EpisodeId, ...] | None
 # The capture gives the loop a turn this often (seconds).
@@ -69,7 +69,7 @@ class Write:
     released: bool = False
     parked: bool = False
     # What this write did when, for the coordinator's timeline: (name, start,
-    # end) in the controller's clock (epoch seconds), answered with the commit.
+    # end) in the engine's clock (epoch seconds), answered with the commit.
     spans: list[tuple[str, float, float]] = field(default_factory=list)
 
     @property
@@ -187,7 +187,7 @@ class Commits:
         return task
 
     async def park_exported(self, req: CommitRequest, records: list[Record], clock: Clock) -> None:
-        """The controller stops instead of resuming: once the write is durable,
+        """The engine stops instead of resuming: once the write is durable,
         free external compute the exported episodes hold (best effort: a
         failure only costs resources, never the checkpoint, so it is logged;
         only the deadline fails the call, for a retry to park again)."""

@@ -1,8 +1,8 @@
-"""What a controller tells its host about itself, for the host's metrics.
+"""What a engine tells its host about itself, for the host's metrics.
 
-The controller knows nothing of Ray: the host (a Ray actor) plugs in an
+The engine knows nothing of Ray: the host (a Ray actor) plugs in an
 observer that turns these calls into `ray.util.metrics` observations
-(`ray_ckpt.hosting.metrics`); without one the controller skips the timing.
+(`ray_ckpt.hosting.metrics`); without one the engine skips the timing.
 """
 
 from __future__ import annotations
@@ -15,4 +15,4 @@ class ControlObserver(Protocol):
         """One control call answered (`outcome`: ok or failed)."""
 
     def lease_expired(self) -> None:
-        """The coordinator's lease ran out and the controller resumed by itself."""
+        """The coordinator's lease ran out and the engine resumed by itself."""

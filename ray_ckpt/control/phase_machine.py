@@ -1,6 +1,6 @@
 """The pure phase machine: phases, one transition table, fencing, lease arithmetic.
 
-No awaits, no clock reads, no I/O: the controller feeds it events (a control
+No awaits, no clock reads, no I/O: the engine feeds it events (a control
 call, readiness, a lease tick) with the current time and carries out the
 effects it returns.  An illegal transition raises; nothing falls through.
 
@@ -130,7 +130,7 @@ class ControlState:
         is open (`UNFENCED_WHEN_CLOSED`); inside an open one it is.
 
         Returns the cached reply of a completed identical call, else None.
-        `unfinished`: the controller knows this same-ID call started and never
+        `unfinished`: the engine knows this same-ID call started and never
         answered (a commit whose release step failed, a restore whose install
         outlived its call), so a retry may join it instead of being refused as
         a different repeat.

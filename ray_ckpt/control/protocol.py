@@ -1,10 +1,10 @@
 """The participant hooks: what one kind of Gym server implements.
 
-The controller (phase machine, fencing, lease, storage) is the same for every
+The engine (phase machine, fencing, lease, storage) is the same for every
 server; a participant supplies what only its kind knows: how to close and open
 admission, whether its live executions are at a boundary, what to export for
 a scope, how to install restored records under attempt + 1, and how to stop
-and free an attempt.  Participants call the `notify` callback the controller
+and free an attempt.  Participants call the `notify` callback the engine
 hands them whenever readiness may have changed.
 """
 
@@ -22,22 +22,22 @@ KINDS = ("environment", "model", "agent", "resources")
 
 @runtime_checkable
 class Participant(Protocol):
-    """Required hooks, and optional ones the controller looks up by name:
+    """Required hooks, and optional ones the engine looks up by name:
 
     - `async park_exported(records)`: called after a durable commit with
-      `stop=true` (the controller stops instead of resuming) to free external
+      `stop=true` (the engine stops instead of resuming) to free external
       compute such as sandboxes, inside the commit's deadline; failures are
       only logged, a missed deadline fails the commit for a retry to park again.
     - `retiring() -> int`: how many attempts are being stopped right now,
       reported as `status.retiring` (stops that outlive a cancelled retire
-      call included).  Without it the controller counts the distinct attempts
+      call included).  Without it the engine counts the distinct attempts
       named by the retire calls in flight.
     """
 
     kind: str
 
     def bind(self, notify: Callable[[], None]) -> None:
-        """Receive the controller's change callback (called once, at install)."""
+        """Receive the engine's change callback (called once, at install)."""
         ...
 
     def close_admission(self) -> None:
@@ -73,9 +73,9 @@ class Participant(Protocol):
         Raise `InvalidCheckpointState` for a bad record; any other exception
         (a `TypeError` from a user's setstate) is reported as that too.  After
         a failure, or when the install is cancelled (a lapsed lease), the
-        controller calls `delete_restored(())` to free whatever it left, so
+        engine calls `delete_restored(())` to free whatever it left, so
         the install may be interrupted at any await.  Once it succeeds, the
-        controller refuses attempts <= N of each installed rollout
+        engine refuses attempts <= N of each installed rollout
         (`stale_attempt`) until `forget`.
         """
         ...

@@ -1,6 +1,6 @@
 """The finished results a participant holds (completion receipts), behind one interface.
 
-The controller's `ack` and `collect` (and the receipt fields of `status`)
+The engine's `ack` and `collect` (and the receipt fields of `status`)
 reach them through `holder`: a participant holds them itself in its
 optional `receipts` hook (a `ray_ckpt.steps.receipts.ResultReceipts`,
 present on an environment server with `checkpoint.completion_receipts` on),
@@ -14,7 +14,7 @@ allowed in every phase (a capture already taken keeps what it captured; see
 the README on acks after a checkpoint).  A participant without either hook
 answers `ack` with the typed `receipts_off` (409): an acknowledgement of a
 result it never held must not pass silently.  `collect` there answers an
-empty list with `"completion_receipts": false`, so a controller may collect
+empty list with `"completion_receipts": false`, so a engine may collect
 across a mixed fleet.
 """
 
@@ -30,7 +30,7 @@ from ray_ckpt.steps.receipts import ResultReceipts
 
 
 class ResultHolder(Protocol):
-    """Whoever holds a participant's finished results, as the controller asks them."""
+    """Whoever holds a participant's finished results, as the engine asks them."""
 
     def counts(self) -> tuple[int, int]:
         """How many results are held, and their bytes."""

@@ -22,11 +22,11 @@ install lost the episodes that worker held, so the restore that reported
 them restored must fail, all or nothing, rather than reopen admission and
 let them start over silently.
 
-The controller keeps the phase machine, the lock and the restore's order of
+The engine keeps the phase machine, the lock and the restore's order of
 steps; this module holds the restore's own state and its work on the
 participant and the store.  `Restores` is given the participant and the
 retire marks' `fence` once; the store and the clock at each call, because
-they are the controller's replaceable attributes (a test swaps the store).
+they are the engine's replaceable attributes (a test swaps the store).
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ from ray_ckpt.identity import EpisodeId, is_result_key
 from ray_ckpt.storage.records.record import Record
 from ray_ckpt.storage.seam import RecordStore
 
-# The controller's logger, not this module's: moving the code out of the
-# controller must not move its warnings away from the operators' log filters.
-log = logging.getLogger("ray_ckpt.control.controller")
+# The engine's logger, not this module's: moving the code out of the
+# engine must not move its warnings away from the operators' log filters.
+log = logging.getLogger("ray_ckpt.control.engine")
 
 
 @dataclass

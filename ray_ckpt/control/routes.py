@@ -2,10 +2,10 @@
 
 `GET {prefix}/status` and `POST {prefix}/{op}` for every control operation.
 Both fronts (aiohttp here, ASGI in `ray_ckpt.control.asgi`) share one order
-of checks through `_Gate`, so a rejected call never reaches the controller:
+of checks through `_Gate`, so a rejected call never reaches the engine:
 auth first (before any body byte is read, and before the path or method is
 judged, so an unauthenticated caller learns nothing but 401), then the route
-and method, then the body size, then the controller, which validates the body
+and method, then the body size, then the engine, which validates the body
 itself.  Every rejection is a JSON `{"error": {"code", "detail"}}` body with
 the reason's HTTP status; on aiohttp that also holds for an unmatched path
 or method under the data plane's `/ng-rollout/` prefix.
@@ -55,7 +55,7 @@ def is_control_path(path: str) -> bool:
 
 
 class ControlTarget(Protocol):
-    """What the routes drive: the participant controller, or a forwarder to it."""
+    """What the routes drive: the participant engine, or a forwarder to it."""
 
     async def handle(self, op: str, body: bytes | dict[str, Any]) -> dict[str, Any]: ...
 

@@ -1,11 +1,11 @@
-"""The controller's waits against the clock: a call's deadline, readiness, the lease.
+"""The engine's waits against the clock: a call's deadline, readiness, the lease.
 
 Every control call runs inside its absolute deadline (`within`); prepare
 waits for the participant to become ready (`ReadinessWait`); and a background
 task resumes by itself when the coordinator stops renewing (`LeaseWatcher`).
 They are the timing mechanics only, given what they watch as callables:
 what to do when a deadline passes or a lease runs out stays in the
-controller, under its lock.
+engine, under its lock.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from ray_ckpt.clock import Clock
 from ray_ckpt.control.wire import CheckpointRequest
 from ray_ckpt.errors import CheckpointError, DeadlineExceeded
 
-# The controller's logger, not this module's: moving the code out of the
-# controller must not move its errors away from the operators' log filters.
-log = logging.getLogger("ray_ckpt.control.controller")
+# The engine's logger, not this module's: moving the code out of the
+# engine must not move its errors away from the operators' log filters.
+log = logging.getLogger("ray_ckpt.control.engine")
 T = TypeVar("T")
 
 # The readiness wait re-checks at least this often even without a notify.
@@ -66,7 +66,7 @@ class ReadinessWait:
 
 
 class LeaseWatcher:
-    """Calls `check` (the controller's `check_lease`) soon after the lease may
+    """Calls `check` (the engine's `check_lease`) soon after the lease may
     have expired; `expires_in` says in how many seconds it will (None: no lease)."""
 
     def __init__(

@@ -51,10 +51,10 @@ class CheckpointRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
 
 class CommitRequest(CheckpointRequest, frozen=True, forbid_unknown_fields=True, kw_only=True):
     checkpoint_dir: PathStr
-    # The commit scope: every episode the controller continues, including a
+    # The commit scope: every episode the engine continues, including a
     # restored episode whose replacement has not started (by that attempt).
     episode_ids: list[EpisodeId] | None = None
-    # The controller stops instead of resuming: free external compute once durable.
+    # The engine stops instead of resuming: free external compute once durable.
     stop: bool = False
     # "async": answer `pending` once the records are captured and write them
     # after the resume (`ray_ckpt.control.background`); re-send the commit to
@@ -127,7 +127,7 @@ def _decode(op: str, body: bytes | str | dict[str, Any], typ: type, decoder: Any
 
 # --- completion receipts (`ray_ckpt.steps.receipts`) ------------------------
 # Not checkpoint phases: they carry no checkpoint ID and are never fenced, so
-# they are their own operations beside `OPERATIONS` (a controller that never
+# they are their own operations beside `OPERATIONS` (a engine that never
 # acks never sends them).
 
 MAX_RECEIPTS_PER_ACK = 100_000

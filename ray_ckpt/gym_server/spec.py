@@ -32,7 +32,7 @@ ROLLOUT = "rollout"
 SPREADING = (SHARED, ROLLOUT)
 
 if TYPE_CHECKING:
-    from ray_ckpt.control.controller import ParticipantController
+    from ray_ckpt.control.engine import ParticipantEngine
 
 
 @runtime_checkable
@@ -46,8 +46,8 @@ class GymServer(Protocol):
         """The server's data routes (an unfrozen aiohttp app, or any ASGI app)."""
         ...
 
-    def attach(self, controller: ParticipantController) -> None:
-        """Give the data routes the controller (retire marks, notify); only when enabled."""
+    def attach(self, engine: ParticipantEngine) -> None:
+        """Give the data routes the engine (retire marks, notify); only when enabled."""
         ...
 
     async def aclose(self) -> None:
@@ -59,7 +59,7 @@ class NamedControlOps:
     """One Ray actor method per control operation, all through `call(op, body)`.
 
     The coordinator calls hosts by operation name; hosted and sidecar hosts
-    differ only in what `call` does (the local controller, or a forward).
+    differ only in what `call` does (the local engine, or a forward).
     """
 
     async def call(self, op: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -1,13 +1,13 @@
 """`ParticipantHost`: the colocated Ray actor of one Gym server.
 
-A Gym server is reached by its checkpoint controller through one of three
-transports; the controller (phase machine, fencing, lease) is the same code in
+A Gym server is reached by its checkpoint engine through one of three
+transports; the engine (phase machine, fencing, lease) is the same code in
 all of them, only the way calls reach it differs:
 
 - **Hosted** (`ParticipantHost`): the Gym app, aiohttp or ASGI (FastAPI),
   runs inside this actor's event loop, with the bearer-protected control
   routes on the same port.  The coordinator calls the actor's methods
-  (`prepare`, `commit`, ...) with object refs; they call the very controller
+  (`prepare`, `commit`, ...) with object refs; they call the very engine
   the HTTP routes call.
 - **Sidecar** (`ray_ckpt.hosting.sidecar.SidecarHost`): the Gym server is its own OS
   process with the integration installed in-process; the colocated actor has
@@ -18,11 +18,11 @@ all of them, only the way calls reach it differs:
   alone (`ray_ckpt.control.client.ControlClient`); no actor is involved.
 
 Ray restarts an actor by re-running `__init__` only, so `__init__` does the
-whole setup: it loads the server, builds the controller, mounts the routes and
+whole setup: it loads the server, builds the engine, mounts the routes and
 binds the socket synchronously, then schedules serving and the lease watcher
 on the actor's loop; every method awaits that start first.  The default is
 `max_restarts=0`: a replacement host is a fresh process that accepts exactly
-one `restore` before it serves (the controller enforces this).
+one `restore` before it serves (the engine enforces this).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any
 from aiohttp import web
 
 from ray_ckpt.control.asgi import ASGIApp, ControlASGIMiddleware
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.control.protocol import Participant
 from ray_ckpt.control.receipt_ops import held_results
 from ray_ckpt.control.routes import maybe_install_control_routes
@@ -68,7 +68,7 @@ HELD_REPORT_S = 1.0
 
 
 class ParticipantHost(NamedControlOps):
-    """Hosts one Gym server and its participant controller (use via `start_host`)."""
+    """Hosts one Gym server and its participant engine (use via `start_host`)."""
 
     def __init__(self, spec: ServerSpec, drain_s: float = DEFAULT_DRAIN_S) -> None:
         self.spec = spec
@@ -87,23 +87,23 @@ class ParticipantHost(NamedControlOps):
         else:
             self.server = load_server(spec)
             participant = self.server.participant
-        # With checkpointing off there is no controller and no route: the
+        # With checkpointing off there is no engine and no route: the
         # server behaves exactly as it would without ray-ckpt.
-        self.controller: ParticipantController | None = None
+        self.engine: ParticipantEngine | None = None
         app: web.Application | ASGIApp | None = None if self.server is None else self.server.app()
         if self.settings.enabled:
-            self.controller = ParticipantController(
+            self.engine = ParticipantEngine(
                 participant, instance=spec.name, settings=self.settings
             )
             # Inside the Ray actor: its calls, writes and lease expiries as Ray metrics.
             self.metrics: HostMetrics | None = HostMetrics(spec.kind)
-            self.controller.observer = self.metrics
+            self.engine.observer = self.metrics
             if self.server is not None:
-                self.server.attach(self.controller)
+                self.server.attach(self.engine)
             if isinstance(app, web.Application):
-                maybe_install_control_routes(app, self.controller, self.settings)
+                maybe_install_control_routes(app, self.engine, self.settings)
             elif app is not None:
-                app = ControlASGIMiddleware.from_settings(app, self.controller, self.settings)
+                app = ControlASGIMiddleware.from_settings(app, self.engine, self.settings)
         else:
             self.metrics = None
         self._reporting: asyncio.Task[None] | None = None
@@ -116,14 +116,14 @@ class ParticipantHost(NamedControlOps):
     async def _start(self) -> None:
         if self._app is not None:
             self._serving = await serve_app(self._app, self._sock, drain_s=self._drain_s)
-        if self.controller is not None:
-            self.controller.start()
-            if held_results(self.controller.participant) is not None and self.metrics is not None:
+        if self.engine is not None:
+            self.engine.start()
+            if held_results(self.engine.participant) is not None and self.metrics is not None:
                 self._reporting = asyncio.get_running_loop().create_task(
-                    _report_held(self.controller, self.metrics)
+                    _report_held(self.engine, self.metrics)
                 )
         if self.plane is not None:
-            await self.plane.start(self.controller)
+            await self.plane.start(self.engine)
         log.info("%s serving on %s", self.spec.actor_name, self.url)
 
     async def _ready(self) -> None:
@@ -131,10 +131,10 @@ class ParticipantHost(NamedControlOps):
             raise ParticipantUnavailable(f"{self.spec.actor_name} is stopped")
         await asyncio.shield(self._started)
 
-    def _controller(self) -> ParticipantController:
-        if self.controller is None:
+    def _controller(self) -> ParticipantEngine:
+        if self.engine is None:
             raise NotFound(f"checkpointing is disabled on {self.spec.actor_name}")
-        return self.controller
+        return self.engine
 
     @property
     def url(self) -> str:
@@ -154,7 +154,7 @@ class ParticipantHost(NamedControlOps):
             "port": self.port,
             "node_id": current_node_id(),
             "pid": os.getpid(),
-            "checkpointing": self.controller is not None,
+            "checkpointing": self.engine is not None,
             "workers": self.spec.workers,
             "spreading": self.spec.spreading,
         }
@@ -174,7 +174,7 @@ class ParticipantHost(NamedControlOps):
         return await self._controller().handle(op, body)
 
     async def stop(self) -> dict[str, Any]:
-        """Graceful stop (idempotent): drain data routes, close sockets, then controller, server."""
+        """Graceful stop (idempotent): drain data routes, close sockets, then engine, server."""
         if self._stopped:
             return {"stopped": True, "idempotent": True}
         self._stopped = True
@@ -189,18 +189,18 @@ class ParticipantHost(NamedControlOps):
         if self.plane is not None:
             await self.plane.stop()
         self._sock.close()
-        if self.controller is not None:
-            await self.controller.aclose()
+        if self.engine is not None:
+            await self.engine.aclose()
         if self.server is not None:
             await self.server.aclose()
         return {"stopped": True, "idempotent": False}
 
 
-async def _report_held(controller: ParticipantController, metrics: HostMetrics) -> None:
+async def _report_held(engine: ParticipantEngine, metrics: HostMetrics) -> None:
     """The held results as gauges: they change on the data plane (a `/run`
     finishing, an ack), not only on control calls, so they are sampled."""
     while True:
-        held = held_results(controller.participant)
+        held = held_results(engine.participant)
         if held is not None:
             metrics.held(len(held), held.bytes)
         await asyncio.sleep(HELD_REPORT_S)

@@ -3,7 +3,7 @@
 In NeMo RL the Gym servers are subprocesses of its `NemoGym` actor, so they
 cannot run inside a `ParticipantHost`.  The server installs the integration
 in-process (`install_sidecar` for aiohttp apps, `wrap_asgi_sidecar` for ASGI
-apps): the controller, its lease watcher and the control routes on the
+apps): the engine, its lease watcher and the control routes on the
 server's own port.  A `SidecarHost` actor on the same node exposes the same
 Ray methods as a `ParticipantHost` and forwards each call over the reserved
 control pool.
@@ -36,7 +36,7 @@ from aiohttp import web
 from ray_ckpt.clock import SYSTEM_CLOCK, Clock
 from ray_ckpt.control.asgi import ASGIApp, ControlASGIMiddleware, Message, Receive, Scope, Send
 from ray_ckpt.control.client import ControlClient
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.control.protocol import Participant
 from ray_ckpt.control.routes import maybe_install_control_routes
 from ray_ckpt.control.wire import CONTROL_OPERATIONS
@@ -67,40 +67,40 @@ def install_sidecar(
     *,
     instance: str,
     clock: Clock = SYSTEM_CLOCK,
-) -> ParticipantController | None:
+) -> ParticipantEngine | None:
     """Mount the control routes on the server's aiohttp app; None when disabled.
 
     The lease watcher runs for the app's lifetime (`cleanup_ctx`).
     """
     if not settings.enabled:
         return None
-    controller = ParticipantController(
+    engine = ParticipantEngine(
         participant, instance=instance, settings=settings, clock=clock
     )
-    maybe_install_control_routes(app, controller, settings)
+    maybe_install_control_routes(app, engine, settings)
 
     async def lifecycle(_app: web.Application) -> AsyncIterator[None]:
-        controller.start()
+        engine.start()
         yield
-        await controller.aclose()
+        await engine.aclose()
 
     app.cleanup_ctx.append(lifecycle)
-    return controller
+    return engine
 
 
-class _ControllerLifecycle:
+class _EngineLifecycle:
     """Starts the lease watcher on the first ASGI call; closes it at lifespan shutdown.
 
     Any call that can open a lease (a control call) passes through here first,
     so the watcher always runs before a lease exists, with or without lifespan.
     """
 
-    def __init__(self, app: ASGIApp, controller: ParticipantController) -> None:
+    def __init__(self, app: ASGIApp, engine: ParticipantEngine) -> None:
         self.app = app
-        self.controller = controller
+        self.engine = engine
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self.controller.start()
+        self.engine.start()
         if scope["type"] != "lifespan":
             await self.app(scope, receive, send)
             return
@@ -108,7 +108,7 @@ class _ControllerLifecycle:
         async def watched() -> Message:
             message = await receive()
             if message["type"] == "lifespan.shutdown":
-                await self.controller.aclose()
+                await self.engine.aclose()
             return message
 
         await self.app(scope, watched, send)
@@ -121,15 +121,15 @@ def wrap_asgi_sidecar(
     *,
     instance: str,
     clock: Clock = SYSTEM_CLOCK,
-) -> tuple[ASGIApp, ParticipantController | None]:
+) -> tuple[ASGIApp, ParticipantEngine | None]:
     """The ASGI app with the control routes in front (unchanged when disabled)."""
     if not settings.enabled:
         return app, None
-    controller = ParticipantController(
+    engine = ParticipantEngine(
         participant, instance=instance, settings=settings, clock=clock
     )
-    front = ControlASGIMiddleware.from_settings(app, controller, settings)
-    return _ControllerLifecycle(front, controller), controller
+    front = ControlASGIMiddleware.from_settings(app, engine, settings)
+    return _EngineLifecycle(front, engine), engine
 
 
 # --- the colocated forwarder (a Ray actor) ------------------------------------------

@@ -9,7 +9,7 @@ checkpoint exports the held ones as records under `result:<capture key>`, a
 restore installs them again (same receipts), and `collect` hands them out.
 
 Pure bookkeeping, no I/O and no clock: the participant hooks and the
-controller carry it out.  Acknowledgements are idempotent: the receipts
+engine carry it out.  Acknowledgements are idempotent: the receipts
 acknowledged last (a bounded memory, `remember`) are still known, so a re-sent
 ack succeeds; one no result here ever had is refused (`UnknownReceipt`) and
 the whole call changes nothing.
@@ -168,7 +168,7 @@ class ResultReceipts:
 
     def drop_retired(self, episodes: Iterable[EpisodeId]) -> list[str]:
         """Free the held results of attempts <= each episode (its rollout retired):
-        the controller gave them up.  Returns their result keys."""
+        the engine gave them up.  Returns their result keys."""
         upto: dict[str, int] = {}
         for e in episodes:
             upto[e.rollout_id] = max(upto.get(e.rollout_id, -1), e.attempt)

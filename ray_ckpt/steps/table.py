@@ -1,6 +1,6 @@
 """`EpisodeSteps`: one Gym server's live episodes, admission, park points, retire.
 
-The controller closes admission at prepare and reopens it at resume; between
+The engine closes admission at prepare and reopens it at resume; between
 the two, every episode must be at a boundary (parked, or inside a replay step)
 for the checkpoint to be ready.  Exported records carry the boundary and the
 index of the next step; a restore installs them under attempt + 1 where the
@@ -58,7 +58,7 @@ class EpisodeSteps:
         self._served = False
         self._notify: Callable[[], None] | None = None
 
-    # --- controller side -------------------------------------------------------
+    # --- engine side -------------------------------------------------------
 
     def bind(self, notify: Callable[[], None]) -> None:
         self._notify = notify

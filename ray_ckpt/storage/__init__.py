@@ -13,7 +13,7 @@ Four rooms, each importing only the rooms before it:
 - `root` -- the checkpoint root: the Gym manifest, `LATEST`, the catalog,
   retention.
 
-`seam` (the store the participant controller writes through) stands above
+`seam` (the store the participant engine writes through) stands above
 them all.  The public API is re-exported here.
 """
 

@@ -1,10 +1,10 @@
-"""The storage seam the controller writes and reads records through.
+"""The storage seam the engine writes and reads records through.
 
 `FileRecordStore` is the real one (durable, manifest-last objects under
 `<location>/gym/<kind>/<instance>/` on disk or in an object store, see
 `ray_ckpt.storage`); unit tests of the
-pure controller logic may pass an in-memory store instead.  Both are
-synchronous: the controller runs them in a thread under the call's deadline.
+pure engine logic may pass an in-memory store instead.  Both are
+synchronous: the engine runs them in a thread under the call's deadline.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ class FileRecordStore:
         """Read one participant, cross-checked against the Gym manifest when there is one.
 
         The coordinator always writes (and on restore requires) the Gym manifest;
-        a controller that does not write one (NeMo Gym's own coordination) gets
+        a engine that does not write one (NeMo Gym's own coordination) gets
         the participant's manifest checked alone.  When the Gym manifest exists,
         this participant must be listed in it with the same manifest digest, so
         a participant directory from another commit is never installed.

@@ -1,9 +1,9 @@
-"""The participant a multi-worker host's controller drives: all its workers as one.
+"""The participant a multi-worker host's engine drives: all its workers as one.
 
-The controller's hooks are synchronous where they must be cheap (`ready`,
+The engine's hooks are synchronous where they must be cheap (`ready`,
 `report`, `close_admission`): they read the table of the workers' latest
 reports, and a close or open goes out to every worker as a task whose
-replies land in the table (the controller's readiness wait is woken as
+replies land in the table (the engine's readiness wait is woken as
 reports arrive).  The asynchronous hooks fan out and fail whole: an export
 with any worker lost, unreported or failing raises, so a checkpoint never
 holds a part of a server.  Restored records are installed into the worker
@@ -17,7 +17,7 @@ install, the episode's state is gone although the restore reported it
 restored: its next attempt is fenced at once on every worker (the fence the
 replacement starts with included), so a late call of it is refused
 `stale_attempt` and never silently starts over, and until the restore's
-resume the loss is kept (`restored_lost`), for the controller to refuse that
+resume the loss is kept (`restored_lost`), for the engine to refuse that
 resume (`RestoredStateLost`) unless those attempts were retired meanwhile.
 
 A server declared stateless has nothing to export and nothing to park: its
@@ -207,7 +207,7 @@ class WorkersParticipant:
 
     async def _uninstall(self, groups: dict[str, list[Record]]) -> None:
         """A failed install leaves nothing on any worker it reached (the
-        controller's `delete_restored(())` frees episodes, not held results)."""
+        engine's `delete_restored(())` frees episodes, not held results)."""
         wids = sorted(groups)
         results = await asyncio.gather(
             *(self.pool.call(w, "uninstall", {"keys": [r.key for r in groups[w]]}) for w in wids),

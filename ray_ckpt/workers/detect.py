@@ -1,7 +1,7 @@
 """Refuse a server whose port is shared by several unmanaged processes.
 
 A Gym server started with several workers (uvicorn's ``--workers``, a
-NeMo Gym ``num_workers``) but without `ray_ckpt.workers` runs one controller
+NeMo Gym ``num_workers``) but without `ray_ckpt.workers` runs one engine
 per process: a prepare would close admission in the one worker it reaches
 while the others keep serving.  Such a server cannot be checkpointed, so it
 is refused where it joins, at discovery (HTTP) or when a sidecar host first
@@ -33,7 +33,7 @@ PROCESS_PROBES = 24
 
 
 class UnmanagedWorkers(InvalidRequest):
-    """The server answers from several processes, each its own controller."""
+    """The server answers from several processes, each its own engine."""
 
 
 async def refuse_unmanaged_workers(
@@ -66,7 +66,7 @@ async def refuse_unmanaged_workers(
 def _refusal(what: str, processes: list[str]) -> UnmanagedWorkers:
     return UnmanagedWorkers(
         f"{what} runs several worker processes, each with its own checkpoint "
-        f"controller (seen {processes}): a prepare would pause one worker while "
+        f"engine (seen {processes}): a prepare would pause one worker while "
         "the others serve.  Run it under one ParticipantHost with workers=N "
         "(ray_ckpt.workers), or with one worker."
     )

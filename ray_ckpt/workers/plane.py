@@ -2,7 +2,7 @@
 
 `ParticipantHost` builds one `WorkerPlane` when its spec asks for more than
 one worker.  The host itself serves no data request: it owns the shared
-listening socket (inherited by every worker), the one controller (driven by
+listening socket (inherited by every worker), the one engine (driven by
 the Ray methods, and over HTTP through a private loopback control port that
 every worker forwards control paths to), and the worker table.
 """
@@ -27,7 +27,7 @@ SILENCE_S = 10.0
 
 
 class _StatusWithWorkers:
-    """The controller as the control routes see it, with `workers` in status:
+    """The engine as the control routes see it, with `workers` in status:
     the sign, for discovery, that this server's workers are managed."""
 
     def __init__(self, target: ControlTarget, plane: WorkerPlane) -> None:

@@ -1,9 +1,9 @@
-"""Helpers of the NeMo-Gym-parity cases: one controller view over two backends.
+"""Helpers of the NeMo-Gym-parity cases: one engine view over two backends.
 
 A `Gym` is a reference fleet plus the real coordination logic driving it:
 
 - `LocalGym`: the fleet in this event loop (`participants.local`) behind a
-  `CoordinatorCore` whose hosts wrap the servers' own controllers — no Ray,
+  `CoordinatorCore` whose hosts wrap the servers' own engines — no Ray,
   real files, real loopback HTTP.  A crash drops the driver's calls, marks the
   hosts dead and stops every server without draining (in-flight handlers are
   cancelled; nothing resumes), so the next fleet is fresh.
@@ -192,8 +192,8 @@ class LocalGym(Gym):
             )
         self.tokens.attach(fleet.server("model"))
         self.hosts = []
-        for kind, controller in fleet.controllers.items():
-            host = FakeHost(Member(kind, self.config.server_name(kind)), controller)
+        for kind, engine in fleet.engines.items():
+            host = FakeHost(Member(kind, self.config.server_name(kind)), engine)
             self.hosts.append(host)
             self.core.register(host)
         self.fleet = fleet

@@ -156,16 +156,16 @@ def stalling_server(
     stall_read: bool = False,
     **options: Any,
 ) -> Any:
-    """A reference server whose controller gets a `StallingStore` (the store is a
-    public attribute of the controller, meant to be replaceable)."""
+    """A reference server whose engine gets a `StallingStore` (the store is a
+    public attribute of the engine, meant to be replaceable)."""
     server = import_factory(stall_inner)(**options)
     attach = server.attach
 
-    def attach_stalling(controller: Any) -> None:
-        attach(controller)
+    def attach_stalling(engine: Any) -> None:
+        attach(engine)
         # Every write in full: an incremental one decides what changed before
         # its records file opens, and the hold must find that file open.
-        controller.store = StallingStore(
+        engine.store = StallingStore(
             FileRecordStore(full_every=1),
             gate=stall_gate,
             write_dir=stall_write_dir,

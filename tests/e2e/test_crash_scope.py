@@ -1,4 +1,4 @@
-"""What the controller leaves out: an unscoped restored episode, a retired straggler.
+"""What the engine leaves out: an unscoped restored episode, a retired straggler.
 
 - After a restore, a commit whose scope omits a restored episode nobody
   claimed frees its state on every server; the rollout then starts over.
@@ -136,7 +136,7 @@ async def test_a_straggler_is_retired_after_resume_and_the_next_checkpoint_succe
             assert retired.retired[fleet.names["resources"]] == [key]
             await until(_done(rollouts, straggler.rollout_id), "the retired attempt's /run to end")
             assert straggler.rollout_id not in rollouts.results
-            # The controller starts the rollout over as its next attempt.
+            # The engine starts the rollout over as its next attempt.
             rollouts.start(session, fleet.urls["environment"], straggler.rollout_id, attempt=1)
 
         scope = rollouts.unfinished()

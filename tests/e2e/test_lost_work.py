@@ -90,7 +90,7 @@ async def test_a_crash_costs_every_episode_at_most_its_generation_in_flight_what
         assert_exactly_once(rollouts, tally, expected)
         end = await gym.stats()
         fleets = [work(s) for s in [*gym.history, end]]
-        await gym.retire([e.next() for e in scope])  # the controller frees finished attempts
+        await gym.retire([e.next() for e in scope])  # the engine frees finished attempts
         await gym.forget(sorted(rollouts.tasks))
         await assert_idle_and_empty(gym)
     finally:

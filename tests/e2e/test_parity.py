@@ -1,7 +1,7 @@
 """The cases NeMo Gym's own end-to-end suite covers, on our fleet and coordinator.
 
 Reference notes §3.1.  Crash cases run twice: in process (the real
-coordination logic over the servers' own controllers, real files) and on the
+coordination logic over the servers' own engines, real files) and on the
 shared Ray cluster (`ParticipantHost` actors, `ray.kill`).  Every case asserts
 that each rollout finished exactly once with the uninterrupted run's result,
 and reports the work its crashes made the fleet redo.

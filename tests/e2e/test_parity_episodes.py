@@ -1,7 +1,7 @@
 """NeMo-Gym-parity cases about one episode's fate (reference notes §3.1), in process.
 
 The fleet runs in this event loop behind the real coordination logic
-(`CoordinatorCore` over the servers' own controllers), with real files and
+(`CoordinatorCore` over the servers' own engines), with real files and
 loopback HTTP: none of these cases needs a second process to be meaningful.
 """
 
@@ -139,7 +139,7 @@ async def test_a_retired_episode_stops_everywhere_and_leaves_nothing_behind(
 
         await gym.forget(["r0"])
         await assert_idle_and_empty(gym, retired_rollouts=0)
-        # The controller dispatches the rollout again as the next attempt.
+        # The engine dispatches the rollout again as the next attempt.
         rollouts.start(session, gym.env_url, "r0", attempt=1)
         await rollouts.wait(timeout_s=20)
     assert_exactly_once(rollouts, tally, expected)

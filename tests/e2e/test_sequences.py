@@ -6,12 +6,12 @@ every server and restore into fresh ones), and retire a running attempt and
 dispatch the next one.  Restored replacements start after a random delay, so
 some checkpoints name a replacement that has not begun yet.  Whatever
 happened, every rollout ends with exactly one result, equal to the
-uninterrupted run's; the only failures are the attempts the controller
-retired; every committed checkpoint verifies; and after the controller frees
+uninterrupted run's; the only failures are the attempts the engine
+retired; every committed checkpoint verifies; and after the engine frees
 and forgets everything, every server is idle and holds nothing.
 
 Most seeds run in process (the real coordination logic over the servers' own
-controllers); one runs on Ray hosts.
+engines); one runs on Ray hosts.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ N_ROLLOUTS = 5
 
 
 class Sequence:
-    """The controller: the random actions and the duties that come with them."""
+    """The engine: the random actions and the duties that come with them."""
 
     def __init__(self, gym: Gym, rollouts: Rollouts, rng: random.Random, where: Path) -> None:
         self.gym = gym
@@ -110,7 +110,7 @@ class Sequence:
     async def checkpoint(self, session: aiohttp.ClientSession, *, crash: bool) -> None:
         self.actions["crash" if crash else "checkpoint"] += 1
         await self.gym.prepare()
-        # In flight = named by the attempt the controller continues (which may
+        # In flight = named by the attempt the engine continues (which may
         # be a restored replacement that has not begun yet).
         scope = [self.rollouts.episode(r) for r in self.in_flight()]
         where = self.where / f"c{len(self.checkpoints)}"
@@ -202,7 +202,7 @@ async def test_random_sequences_end_with_every_result_and_every_server_empty(
     assert sorted(rollouts.results) == sorted(expected), rollouts.failures
     assert rollouts.digests() == expected
     assert dict(run.finished) == dict.fromkeys(expected, 1)
-    # Failures come only from the controller's own retires.
+    # Failures come only from the engine's own retires.
     assert set(run.failed) <= run.retired, (run.failed, run.retired)
     for where in run.checkpoints:
         report = verify_checkpoint(where)
@@ -222,7 +222,7 @@ async def test_random_sequences_end_with_every_result_and_every_server_empty(
         ),
     )
 
-    # The controller frees the finished attempts and forgets every rollout.
+    # The engine frees the finished attempts and forgets every rollout.
     final = [rollouts.episode(r) for r in sorted(rollouts.tasks)]
     await gym.retire(final)
     await assert_idle_and_empty(gym, retired_rollouts=N_ROLLOUTS)

@@ -1,6 +1,6 @@
 """The NeMo Gym wrapper in the main venv: a NeMo-shaped FastAPI server on a real
 loopback uvicorn, behind the wrapper and the control front, with a real
-controller writing real files.  Prefix stripping, sessions keyed by capture
+engine writing real files.  Prefix stripping, sessions keyed by capture
 key (never by a parsed UUID), admission, in-flight counting, stale attempts,
 session ends, restart-only headers, export/restore and typed export errors."""
 
@@ -19,7 +19,7 @@ from pydantic import SecretStr
 
 from participants.nemo_gym import NemoGymServer, session_fields, wrap
 from ray_ckpt.control.asgi import ControlASGIMiddleware
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.gym_server.serving import Serving, bind_socket, serve_app, socket_address
 from ray_ckpt.identity import EpisodeId
@@ -35,7 +35,7 @@ def body(cid: str, **extra: Any) -> dict[str, Any]:
 
 
 class Hosted:
-    def __init__(self, gym: NemoGymServer, ctl: ParticipantController, url: str) -> None:
+    def __init__(self, gym: NemoGymServer, ctl: ParticipantEngine, url: str) -> None:
         self.gym = gym
         self.ctl = ctl
         self.url = url
@@ -50,11 +50,11 @@ Start = Callable[..., Any]
 
 @pytest.fixture
 async def start() -> AsyncIterator[Start]:
-    running: list[tuple[Serving, ParticipantController]] = []
+    running: list[tuple[Serving, ParticipantEngine]] = []
 
     async def go(**options: Any) -> Hosted:
         gym = wrap(CounterServer(), **options)
-        ctl = ParticipantController(gym.participant, instance="counter", settings=SETTINGS)
+        ctl = ParticipantEngine(gym.participant, instance="counter", settings=SETTINGS)
         gym.attach(ctl)
         app = ControlASGIMiddleware.from_settings(gym.app(), ctl, SETTINGS)
         sock = bind_socket("127.0.0.1", 0)
@@ -332,14 +332,14 @@ async def test_sidecar_mode_serves_the_control_routes_in_the_servers_process(
             assert reply["episode_ids"] == ["r"]
             await client.call("resume", body("s1"))
             await client.call("retire", body("s2", episode_ids=[{"rollout_id": "r"}]))
-        # The front got the sidecar's controller: the retired attempt is refused.
+        # The front got the sidecar's engine: the retired attempt is refused.
         status, err, _ = await post(http, f"{url}/ng-rollout/r/get_counter_value")
         assert (status, err["error"]["code"]) == (409, "stale_attempt")
     finally:
         await serving.stop()
         assert gym.front is not None
-        assert gym.front.controller is not None
-        await gym.front.controller.aclose()
+        assert gym.front.engine is not None
+        await gym.front.engine.aclose()
 
 
 async def test_a_bad_record_installs_nothing() -> None:

@@ -1,7 +1,7 @@
 """Small test-only actors for the coordinator's real-Ray tests.
 
 `RecordingHost` has the `ParticipantHost` methods over a real
-`ParticipantController` (fake participant, real file storage) and records
+`ParticipantEngine` (fake participant, real file storage) and records
 when each call started and ended; `Controlled` is a trainer/assembler stand-in.
 """
 
@@ -11,7 +11,7 @@ import asyncio
 import time
 from typing import Any
 
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.settings import CheckpointSettings
 from tests.unit.fakes import FakeParticipant
 
@@ -33,7 +33,7 @@ class RecordingHost:
         settings = CheckpointSettings.model_validate(
             {"enabled": True, "control_auth_token": "t", "lease_grace_seconds": lease_grace_s}
         )
-        self.ctrl = ParticipantController(self.part, instance=name, settings=settings)
+        self.ctrl = ParticipantEngine(self.part, instance=name, settings=settings)
         self.delay = delay or {}
         self.fail_restore = fail_restore
         self.calls: list[tuple[str, float, float, str]] = []

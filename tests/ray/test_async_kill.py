@@ -14,9 +14,9 @@ import pytest
 import ray
 from pydantic import SecretStr
 
+from coordination import connect
 from coordination.actor.actor_options import COORDINATOR_NAME
 from coordination.cli.inspect import inspect_checkpoint
-from coordination import connect
 from ray_ckpt.errors import CoordinationFailed
 from ray_ckpt.gym_server.spec import ServerSpec, settings_dict
 from ray_ckpt.hosting.host import start_host, stop_host

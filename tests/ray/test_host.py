@@ -143,7 +143,7 @@ async def test_ray_methods_and_http_routes_drive_the_same_controller(
         prepare = body("c1")
         by_ray = await handle.prepare.remote(prepare)
         assert by_ray["phase"] == "prepared"
-        # The same call over HTTP is answered from the same controller's cache.
+        # The same call over HTTP is answered from the same engine's cache.
         assert await client.call("prepare", prepare) == by_ray
         assert await client.status() == await handle.status.remote()
         assert (await client.status())["checkpoint_id"] == "c1"

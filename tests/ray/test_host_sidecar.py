@@ -146,10 +146,10 @@ async def test_sidecar_host_replies_equal_the_server_and_errors_stay_typed(
 async def test_asgi_sidecar_lease_watcher_runs_without_lifespan() -> None:
     """In-process: the ASGI integration starts its lease watcher on the first call."""
     server = fastapi_server(name="asgi-side", settings=settings(0.3))
-    app, controller = wrap_asgi_sidecar(
+    app, engine = wrap_asgi_sidecar(
         server.app(), server.participant, settings(0.3), instance="asgi-side"
     )
-    assert controller is not None
+    assert engine is not None
     sock = bind_socket("127.0.0.1", 0)
     host, port = socket_address(sock)
     serving = await serve_app(app, sock, drain_s=1.0)
@@ -164,8 +164,8 @@ async def test_asgi_sidecar_lease_watcher_runs_without_lifespan() -> None:
     finally:
         await serving.stop()
         sock.close()
-        await controller.aclose()
-    # Disabled: the app is returned unchanged, with no controller.
+        await engine.aclose()
+    # Disabled: the app is returned unchanged, with no engine.
     plain = server.app()
     assert wrap_asgi_sidecar(plain, server.participant, CheckpointSettings(), instance="x") == (
         plain,

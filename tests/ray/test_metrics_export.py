@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 import ray
 
-from coordination.actor.actor_options import COORDINATOR_NAME
 from coordination import connect
+from coordination.actor.actor_options import COORDINATOR_NAME
 from participants.fleet import FleetConfig, launch_fleet
 from ray_ckpt.hosting.metrics import SECONDS_BOUNDARIES
 

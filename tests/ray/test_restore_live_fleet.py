@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 import ray
 
-from coordination.actor.actor_options import COORDINATOR_NAME
 from coordination import connect
+from coordination.actor.actor_options import COORDINATOR_NAME
 from participants.fleet import FleetConfig, launch_fleet
 from participants.rollout import make_tasks, run_episode
 from ray_ckpt.errors import ParticipantNotFresh

@@ -1,4 +1,4 @@
-"""Fakes for unit tests of the pure controller logic (no Ray, no files)."""
+"""Fakes for unit tests of the pure engine logic (no Ray, no files)."""
 
 from __future__ import annotations
 

@@ -14,13 +14,13 @@ T0 = 1_000_000.0
 
 def body(cid: str, deadline: float = 20.0, **extra: Any) -> dict[str, Any]:
     """A control body for checkpoint `cid`, its deadline `deadline` s ahead on
-    the wall clock (for a controller on the system clock)."""
+    the wall clock (for a engine on the system clock)."""
     return {"checkpoint_id": cid, "deadline_ts": time.time() + deadline, **extra}
 
 
 def body_t0(cid: str, deadline: float = 30.0, **extra: Any) -> dict[str, Any]:
     """A control body for checkpoint `cid`, its deadline `deadline` s after
-    `T0` (for a controller on `ManualClock(T0)`: the wall clock means nothing to it)."""
+    `T0` (for a engine on `ManualClock(T0)`: the wall clock means nothing to it)."""
     return {"checkpoint_id": cid, "deadline_ts": T0 + deadline, **extra}
 
 

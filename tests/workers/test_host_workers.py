@@ -247,7 +247,7 @@ async def test_with_checkpointing_off_workers_just_serve(http: aiohttp.ClientSes
     host = ParticipantHost(spec)
     try:
         await host._ready()
-        assert host.controller is None
+        assert host.engine is None
         key = owned_by(1, 2)[0]
         counts = [(await step(http, host.url, key))[1]["count"] for _ in range(3)]
         assert counts == [1, 2, 3]  # affine: one worker holds the rollout

@@ -61,8 +61,8 @@ async def test_a_worker_killed_between_install_and_resume_fails_the_resume(
     await kill_and_replace(host, "w1")
     with pytest.raises(RestoredStateLost, match=f"w1: {on1}-a1"):
         await host.call("resume", body("x1"))
-    assert host.controller is not None
-    assert host.controller.status()["phase"] == "restored"
+    assert host.engine is not None
+    assert host.engine.status()["phase"] == "restored"
     # Whatever happens next, the lost attempt never runs from nothing.
     status, reply = await step(http, host.url, f"{on1}-a1")
     assert (status, code(reply)) == (409, "stale_attempt")

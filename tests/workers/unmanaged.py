@@ -3,7 +3,7 @@
 
 ``python -m tests.workers.unmanaged N [aiohttp|fastapi]`` binds one port,
 forks N processes that each serve the tiny table server with the in-process
-integration (a controller each) on it (FastAPI: under uvicorn, with the
+integration (a engine each) on it (FastAPI: under uvicorn, with the
 ASGI control middleware), prints ``URL <base> <pid>,<pid>..`` (its workers) once every one of them
 serves (before that, one slow to start would leave every connection to the
 others, and the server would look like one process), and ends them all when

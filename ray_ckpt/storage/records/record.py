@@ -14,7 +14,7 @@ orjson cannot be the check: it serialises tuples, UUIDs and Enum members
 (IntEnum and StrEnum members even compare equal to what comes back).
 
 Cost, by measurement (this machine, CPython 3.11, 2 shared cores, idle and
-under other jobs' load; per state; `tests/unit/storage/test_ctl_check_json.py`
+under other jobs' load; per state; `tests/unit/storage/test_records_json.py`
 bounds the first two):
 
     state (JSON size)                       check_json   orjson.dumps alone

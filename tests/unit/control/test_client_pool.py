@@ -14,7 +14,7 @@ from pydantic import SecretStr
 
 from ray_ckpt.clock import ManualClock
 from ray_ckpt.control.client import ControlClient, data_session
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.control.routes import CHECKPOINT_ROUTE_PREFIX, control_app, install_control_routes
 from ray_ckpt.control.wire import CheckpointRequest, decode_request
 from ray_ckpt.errors import (
@@ -207,14 +207,14 @@ async def test_closed_client_refuses() -> None:
         ControlClient("http://x", token="", limit=1, limit_per_host=1)
 
 
-# --- the real controller, end to end over HTTP -----------------------------------
+# --- the real engine, end to end over HTTP -----------------------------------
 
 
 @pytest.fixture
-async def controller() -> AsyncIterator[tuple[ParticipantController, FakeParticipant]]:
+async def engine() -> AsyncIterator[tuple[ParticipantEngine, FakeParticipant]]:
     participant = FakeParticipant()
     settings = CheckpointSettings(enabled=True, control_auth_token=SecretStr(TOKEN))
-    ctl = ParticipantController(
+    ctl = ParticipantEngine(
         participant, instance="env-0", settings=settings, store=MemoryStore()
     )
     yield ctl, participant
@@ -222,9 +222,9 @@ async def controller() -> AsyncIterator[tuple[ParticipantController, FakePartici
 
 
 async def test_checkpoint_cycle_through_the_client(
-    serve: Serve, controller: tuple[ParticipantController, FakeParticipant]
+    serve: Serve, engine: tuple[ParticipantEngine, FakeParticipant]
 ) -> None:
-    ctl, participant = controller
+    ctl, participant = engine
     participant.start("r1", at_boundary=True, state={"step": 3})
     base = await serve(control_app(ctl, token=TOKEN))
     async with ControlClient(base, token=TOKEN, limit=2, limit_per_host=1) as c:

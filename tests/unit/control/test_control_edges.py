@@ -1,4 +1,4 @@
-"""Edges of the participant's control operations, on one real controller.
+"""Edges of the participant's control operations, on one real engine.
 
 A refused call changes nothing (the lease included); `forget` refuses the
 reserved attempt suffix like every other route; the asynchronous commit says
@@ -23,7 +23,7 @@ from pydantic import SecretStr
 
 from coordination.reach.hosts import FakePauseTarget
 from ray_ckpt.clock import SystemClock
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.errors import (
     CheckpointConflict,
     DeadlineExceeded,
@@ -71,19 +71,19 @@ class ScopedOnly(FakeParticipant):
 
 def make(
     participant: FakeParticipant | None = None,
-) -> tuple[ParticipantController, FakeParticipant, GatedStore]:
+) -> tuple[ParticipantEngine, FakeParticipant, GatedStore]:
     p = participant or FakeParticipant()
     store = GatedStore()
     settings = CheckpointSettings(
         enabled=True, control_auth_token=SecretStr("t"), lease_grace_seconds=GRACE
     )
-    c = ParticipantController(
+    c = ParticipantEngine(
         p, instance="env0", settings=settings, clock=SystemClock(), store=store
     )
     return c, p, store
 
 
-def fields(c: ParticipantController) -> tuple[Any, ...]:
+def fields(c: ParticipantEngine) -> tuple[Any, ...]:
     st = c.status()
     return st["phase"], st["checkpoint_id"], st["lease_expires_at"], st["retired_rollouts"]
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from ray_ckpt import ManualClock
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.errors import CheckpointError
 from ray_ckpt.settings import CheckpointSettings
 from tests.unit.fakes import FakeParticipant, MemoryStore
@@ -92,7 +92,7 @@ class ControlMachine(RuleBasedStateMachine):
         self.participant = FakeParticipant()
         self.participant.start("r1", at_boundary=True)
         cfg = CheckpointSettings(enabled=True, control_auth_token="t", lease_grace_seconds=GRACE)
-        self.ctl = ParticipantController(
+        self.ctl = ParticipantEngine(
             self.participant, instance="i", settings=cfg, clock=self.clock, store=MemoryStore()
         )
         self.model = Model()

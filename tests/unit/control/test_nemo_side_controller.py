@@ -1,4 +1,4 @@
-"""What NeMo Gym's controller needs from our participant controller (§1.18):
+"""What NeMo Gym's controller needs from our participant engine (§1.18):
 string blockers, a prepare past its deadline, a never-seen resume, the
 straggler path's retire under a resumed ID, and retire marks that only rise."""
 
@@ -10,18 +10,18 @@ from typing import Any
 import pytest
 
 from ray_ckpt import EpisodeId, ManualClock
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.errors import StaleAttempt, StaleCheckpoint
 from ray_ckpt.reports import MAX_REPORTED_BLOCKERS, Blocker, PrepareReport
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.steps import EpisodeSteps
-from ray_ckpt.steps.participant import EpisodeParticipant
+from ray_ckpt.steps.episode_participant import EpisodeParticipant
 from tests.unit.fakes import FakeParticipant, MemoryStore
 from tests.unit.helpers import T0, body_t0, until
 
 
-def controller(participant: Any, clock: ManualClock | None = None) -> ParticipantController:
-    return ParticipantController(
+def engine(participant: Any, clock: ManualClock | None = None) -> ParticipantEngine:
+    return ParticipantEngine(
         participant,
         instance="i",
         settings=CheckpointSettings(enabled=True, control_auth_token="t"),
@@ -38,7 +38,7 @@ async def test_blockers_are_capture_key_strings_with_details_beside_them() -> No
     keys = sorted(f"r{i:03d}" for i in range(150)) + ["z-a2"]
     for k in keys:
         p.start(k)
-    c = controller(p)
+    c = engine(p)
     prepare = await c.handle("prepare", body_t0("c1", deadline=-1))  # answers at once
     for report in (c.status()["report"], prepare["report"]):
         assert report["blocker_count"] == len(keys)  # the full count
@@ -59,14 +59,14 @@ class Uncapped(FakeParticipant):
 
 
 async def test_the_reply_caps_blockers_whatever_the_participant_lists() -> None:
-    report = controller(Uncapped()).status()["report"]
+    report = engine(Uncapped()).status()["report"]
     assert len(report["blockers"]) == len(report["blocker_details"]) == MAX_REPORTED_BLOCKERS
     assert report["blocker_count"] == 120  # never below what it listed
 
 
 async def test_episode_steps_blockers_over_the_straggler_path() -> None:
     steps = EpisodeSteps(clock=ManualClock(T0))
-    c = controller(EpisodeParticipant("environment", steps))
+    c = engine(EpisodeParticipant("environment", steps))
     started = 0
 
     async def episode(eid: EpisodeId) -> None:
@@ -97,7 +97,7 @@ async def test_episode_steps_blockers_over_the_straggler_path() -> None:
 async def test_a_ready_participant_past_the_deadline_is_prepared() -> None:
     p = FakeParticipant()
     p.start("r1", at_boundary=True)
-    c = controller(p)
+    c = engine(p)
     reply = await c.handle("prepare", body_t0("c1", deadline=-5))  # skewed clocks
     assert reply["phase"] == "prepared" and reply["report"]["ready"]
     assert not p.admission_open and c.status()["phase"] == "prepared"
@@ -109,7 +109,7 @@ async def test_a_ready_participant_past_the_deadline_is_prepared() -> None:
 async def test_a_busy_participant_past_the_deadline_answers_preparing_closed() -> None:
     p = FakeParticipant()
     p.start("slow")
-    c = controller(p)
+    c = engine(p)
     reply = await c.handle("prepare", body_t0("c1", deadline=-1))
     assert reply["phase"] == "preparing"
     assert reply["report"]["blockers"] == ["slow"]
@@ -124,7 +124,7 @@ async def test_a_busy_participant_past_the_deadline_answers_preparing_closed() -
 
 async def test_resume_of_a_never_seen_id_while_idle_is_idempotent_and_fences() -> None:
     p = FakeParticipant()
-    c = controller(p)
+    c = engine(p)
     assert await c.handle("resume", body_t0("never")) == {"phase": "idle", "idempotent": True}
     with pytest.raises(StaleCheckpoint):
         await c.handle("prepare", body_t0("never"))  # the delayed prepare is refused
@@ -136,7 +136,7 @@ async def test_resume_of_a_never_seen_id_while_idle_is_idempotent_and_fences() -
 
 async def test_a_delayed_retire_never_lowers_a_mark_nor_stops_a_later_attempt() -> None:
     steps = EpisodeSteps(clock=ManualClock(T0))
-    c = controller(EpisodeParticipant("environment", steps))
+    c = engine(EpisodeParticipant("environment", steps))
     running: set[str] = set()
 
     async def episode(eid: EpisodeId) -> None:
@@ -173,7 +173,7 @@ async def test_a_delayed_retire_never_lowers_a_mark_nor_stops_a_later_attempt() 
 
 
 async def test_inside_an_open_checkpoint_a_resumed_id_stays_stale_for_retire() -> None:
-    c = controller(FakeParticipant())
+    c = engine(FakeParticipant())
     await c.handle("prepare", body_t0("c1"))
     await c.handle("resume", body_t0("c1"))
     await c.handle("prepare", body_t0("c2"))  # another checkpoint is open

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from pydantic import SecretStr
 
 from ray_ckpt.control.asgi import ControlASGIMiddleware
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.control.routes import (
     CHECKPOINT_ROUTE_PREFIX,
     CONTROL_TARGET_KEY,
@@ -69,7 +69,7 @@ BAD_AUTH = {
 
 
 class FakeTarget:
-    """Validates like the controller, records only calls that got through."""
+    """Validates like the engine, records only calls that got through."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, CheckpointRequest]] = []
@@ -394,18 +394,18 @@ async def test_asgi_errors_and_method(asgi: httpx.AsyncClient, target: FakeTarge
     assert (r.status_code, r.json()["error"]["code"]) == (500, "internal")
 
 
-# --- the real controller behind the routes ------------------------------------------
+# --- the real engine behind the routes ------------------------------------------
 
 
 @pytest.fixture
-async def real(serve: Serve) -> AsyncIterator[tuple[str, ParticipantController, FakeParticipant]]:
+async def real(serve: Serve) -> AsyncIterator[tuple[str, ParticipantEngine, FakeParticipant]]:
     participant = FakeParticipant()
     # A small limit: aiohttp lingers up to 10 s on a connection whose large body
     # was left unread, which would only slow the teardown.
     settings = CheckpointSettings(
         enabled=True, control_auth_token=SecretStr(TOKEN), max_control_body_bytes=16 * 1024
     )
-    ctl = ParticipantController(
+    ctl = ParticipantEngine(
         participant, instance="env-0", settings=settings, store=MemoryStore()
     )
     app = web.Application()
@@ -415,7 +415,7 @@ async def real(serve: Serve) -> AsyncIterator[tuple[str, ParticipantController, 
 
 
 async def test_real_controller_rejections_change_nothing(
-    http: aiohttp.ClientSession, real: tuple[str, ParticipantController, FakeParticipant]
+    http: aiohttp.ClientSession, real: tuple[str, ParticipantEngine, FakeParticipant]
 ) -> None:
     base, ctl, participant = real
     before = ctl.status()
@@ -434,7 +434,7 @@ async def test_real_controller_rejections_change_nothing(
 
 
 async def test_real_controller_codes_on_the_wire(
-    http: aiohttp.ClientSession, real: tuple[str, ParticipantController, FakeParticipant]
+    http: aiohttp.ClientSession, real: tuple[str, ParticipantEngine, FakeParticipant]
 ) -> None:
     base, _, _ = real
     status, reply = await post(http, url(base, "restore"), VALID["restore"])
@@ -461,7 +461,7 @@ async def test_real_controller_codes_on_the_wire(
 async def test_real_controller_behind_asgi() -> None:
     participant = FakeParticipant()
     settings = CheckpointSettings(enabled=True, control_auth_token=SecretStr(TOKEN))
-    ctl = ParticipantController(
+    ctl = ParticipantEngine(
         participant, instance="env-0", settings=settings, store=MemoryStore()
     )
     wrapped = ControlASGIMiddleware(FastAPI(), ctl, token=TOKEN)

@@ -1,4 +1,4 @@
-"""The controller over the real file store: restore cross-checks the Gym manifest."""
+"""The engine over the real file store: restore cross-checks the Gym manifest."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ray_ckpt import Record
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.storage import write_gym_manifest, write_participant
@@ -28,9 +28,9 @@ def commit_dir(root: Path, cid: str, state: object, *, gym: bool = True) -> str:
     return d
 
 
-def fresh() -> tuple[ParticipantController, FakeParticipant]:
+def fresh() -> tuple[ParticipantEngine, FakeParticipant]:
     p = FakeParticipant()
-    return ParticipantController(p, instance="env0", settings=SETTINGS, store=FileRecordStore()), p
+    return ParticipantEngine(p, instance="env0", settings=SETTINGS, store=FileRecordStore()), p
 
 
 async def test_restore_from_real_files_installs_under_next_attempt(tmp_path: Path) -> None:
@@ -48,7 +48,7 @@ async def test_participant_not_in_gym_manifest_installs_nothing(tmp_path: Path) 
     # Another participant's commit lands in the same directory after the Gym manifest.
     write_participant(d, kind="environment", instance="env1", checkpoint_id="c1", records=[])
     p = FakeParticipant()
-    c = ParticipantController(p, instance="env1", settings=SETTINGS, store=FileRecordStore())
+    c = ParticipantEngine(p, instance="env1", settings=SETTINGS, store=FileRecordStore())
     with pytest.raises(InvalidCheckpointState, match="missing from the Gym manifest"):
         await c.handle("restore", body("c1", checkpoint_dir=d, episode_ids=[]))
     assert p.restored == {} and c.status()["phase"] == "idle" and p.admission_open

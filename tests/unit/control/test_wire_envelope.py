@@ -3,7 +3,7 @@
 The aiohttp front is a real `web.Application` with the control routes and a
 data route; the ASGI front is a real FastAPI app behind
 `ControlASGIMiddleware`, served by uvicorn on a bound socket.  Both drive a
-real `ParticipantController`.
+real `ParticipantEngine`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from multidict import CIMultiDict
 from pydantic import SecretStr
 
 from ray_ckpt.control.asgi import ControlASGIMiddleware
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.control.routes import CHECKPOINT_ROUTE_PREFIX, maybe_install_control_routes
 from ray_ckpt.control.wire import OPERATIONS
 from ray_ckpt.errors import CheckpointError, NotFound
@@ -61,7 +61,7 @@ async def _echo_episode(key: str) -> dict[str, Any]:
     return {"rollout": episode.rollout_id, "attempt": episode.attempt}
 
 
-def aiohttp_app(ctl: ParticipantController) -> web.Application:
+def aiohttp_app(ctl: ParticipantEngine) -> web.Application:
     app = web.Application()
 
     async def echo(request: web.Request) -> web.Response:
@@ -80,7 +80,7 @@ def aiohttp_app(ctl: ParticipantController) -> web.Application:
     return app
 
 
-async def serve_asgi(ctl: ParticipantController) -> tuple[str, Any]:
+async def serve_asgi(ctl: ParticipantEngine) -> tuple[str, Any]:
     api = FastAPI()
 
     @api.post("/ng-rollout/{key}/echo", response_model=None)
@@ -99,8 +99,8 @@ async def serve_asgi(ctl: ParticipantController) -> tuple[str, Any]:
 @pytest.fixture(params=["aiohttp", "asgi"])
 async def front(
     request: pytest.FixtureRequest, serve: Serve
-) -> AsyncIterator[tuple[str, str, ParticipantController]]:
-    ctl = ParticipantController(
+) -> AsyncIterator[tuple[str, str, ParticipantEngine]]:
+    ctl = ParticipantEngine(
         FakeParticipant(), instance="env-0", settings=settings(), store=MemoryStore()
     )
     if request.param == "aiohttp":
@@ -141,7 +141,7 @@ def assert_envelope(body: Any, code: str) -> None:
 
 @pytest.mark.parametrize("op", OPERATIONS)
 async def test_checkpoint_id_with_trailing_newline_is_400(
-    http: aiohttp.ClientSession, front: tuple[str, str, ParticipantController], op: str
+    http: aiohttp.ClientSession, front: tuple[str, str, ParticipantEngine], op: str
 ) -> None:
     _, base, ctl = front
     before = ctl.status()
@@ -162,7 +162,7 @@ async def test_checkpoint_id_with_trailing_newline_is_400(
 )
 async def test_episode_ids_with_trailing_newline_are_400(
     http: aiohttp.ClientSession,
-    front: tuple[str, str, ParticipantController],
+    front: tuple[str, str, ParticipantEngine],
     op: str,
     body: dict[str, Any],
 ) -> None:
@@ -174,7 +174,7 @@ async def test_episode_ids_with_trailing_newline_are_400(
 
 
 async def test_data_plane_key_with_newline_is_not_another_key(
-    http: aiohttp.ClientSession, front: tuple[str, str, ParticipantController]
+    http: aiohttp.ClientSession, front: tuple[str, str, ParticipantEngine]
 ) -> None:
     _, base, _ = front
     status, reply, _ = await call(http, "POST", f"{base}/ng-rollout/zz-a1/echo")
@@ -190,7 +190,7 @@ async def test_data_plane_key_with_newline_is_not_another_key(
 
 @pytest.mark.parametrize("method", WRONG_METHODS)
 async def test_wrong_method_is_json_405_after_the_token(
-    http: aiohttp.ClientSession, front: tuple[str, str, ParticipantController], method: str
+    http: aiohttp.ClientSession, front: tuple[str, str, ParticipantEngine], method: str
 ) -> None:
     _, base, ctl = front
     for op in OPERATIONS:
@@ -213,7 +213,7 @@ async def test_wrong_method_is_json_405_after_the_token(
 
 @pytest.mark.parametrize("path", ["explode", "", "status/", "prepare/x", "prepare%0A"])
 async def test_unknown_control_path_is_401_then_json_404(
-    http: aiohttp.ClientSession, front: tuple[str, str, ParticipantController], path: str
+    http: aiohttp.ClientSession, front: tuple[str, str, ParticipantEngine], path: str
 ) -> None:
     _, base, _ = front
     where = f"{base}{CHECKPOINT_ROUTE_PREFIX}/{path}"
@@ -227,7 +227,7 @@ async def test_unknown_control_path_is_401_then_json_404(
 
 
 async def test_head_on_status_is_refused_after_the_token(
-    http: aiohttp.ClientSession, front: tuple[str, str, ParticipantController]
+    http: aiohttp.ClientSession, front: tuple[str, str, ParticipantEngine]
 ) -> None:
     _, base, _ = front
     assert (await call(http, "HEAD", ctl_url(base, "status")))[0] == 401
@@ -247,7 +247,7 @@ async def test_head_on_status_is_refused_after_the_token(
     ids=["same", "good_first", "good_last"],
 )
 async def test_two_authorization_headers_are_401(
-    http: aiohttp.ClientSession, front: tuple[str, str, ParticipantController], values: list[str]
+    http: aiohttp.ClientSession, front: tuple[str, str, ParticipantEngine], values: list[str]
 ) -> None:
     _, base, ctl = front
     headers = CIMultiDict([("Authorization", v) for v in values])
@@ -268,7 +268,7 @@ async def test_two_authorization_headers_are_401(
 
 
 async def test_data_plane_empty_key_is_json_400(
-    http: aiohttp.ClientSession, front: tuple[str, str, ParticipantController]
+    http: aiohttp.ClientSession, front: tuple[str, str, ParticipantEngine]
 ) -> None:
     _, base, _ = front
     for method in ("POST", "GET"):
@@ -278,7 +278,7 @@ async def test_data_plane_empty_key_is_json_400(
 
 
 async def test_data_plane_unmatched_is_json(
-    http: aiohttp.ClientSession, front: tuple[str, str, ParticipantController]
+    http: aiohttp.ClientSession, front: tuple[str, str, ParticipantEngine]
 ) -> None:
     _, base, _ = front
     status, reply, _ = await call(http, "POST", f"{base}/ng-rollout/r/nope")

@@ -1,6 +1,6 @@
 """Property-based test of every route on a live participant, over real HTTP.
 
-Both fronts (aiohttp, and ASGI under uvicorn) serve a real controller with the
+Both fronts (aiohttp, and ASGI under uvicorn) serve a real engine with the
 real file store, in a background event loop; Hypothesis drives them through
 `http.client` (raw enough for any method, repeated headers and arbitrary
 bodies) with random bodies, methods, headers, IDs, deadlines and directories.
@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 from pydantic import SecretStr
 
 from ray_ckpt.control.asgi import ControlASGIMiddleware
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.control.routes import CHECKPOINT_ROUTE_PREFIX, maybe_install_control_routes
 from ray_ckpt.control.wire import OPERATIONS
 from ray_ckpt.errors import CheckpointError
@@ -75,7 +75,7 @@ class Front:
     name: str
     host: str
     port: int
-    ctl: ParticipantController
+    ctl: ParticipantEngine
     participant: FakeParticipant
     seen: dict[int, int] = field(default_factory=dict)
 
@@ -85,7 +85,7 @@ def _echo(key: str) -> dict[str, Any]:
     return {"key": key, "rollout": episode.rollout_id, "attempt": episode.attempt}
 
 
-def _aiohttp_app(ctl: ParticipantController) -> web.Application:
+def _aiohttp_app(ctl: ParticipantEngine) -> web.Application:
     app = web.Application()
 
     async def echo(request: web.Request) -> web.Response:
@@ -99,7 +99,7 @@ def _aiohttp_app(ctl: ParticipantController) -> web.Application:
     return app
 
 
-def _asgi_app(ctl: ParticipantController) -> Any:
+def _asgi_app(ctl: ParticipantEngine) -> Any:
     api = FastAPI()
 
     @api.post("/ng-rollout/{key}/echo")
@@ -138,7 +138,7 @@ def fronts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Front]]:
         participant.start(KEEP, at_boundary=True, state=KEEP_STATE)
         participant.start(RESTART, state={"lost": True})
         participant.restarts.add(RESTART)
-        ctl = ParticipantController(participant, instance="env-0", settings=cp_settings())
+        ctl = ParticipantEngine(participant, instance="env-0", settings=cp_settings())
         app = _aiohttp_app(ctl) if name == "aiohttp" else _asgi_app(ctl)
         sock = bind_socket("127.0.0.1", 0)
         host, port = socket_address(sock)
@@ -307,7 +307,7 @@ def paths() -> st.SearchStrategy[tuple[str, str]]:
 
 
 def well_formed(op: str, tmp: str) -> st.SearchStrategy[bytes]:
-    """A body the controller decodes (so the call reaches its phase rules)."""
+    """A body the engine decodes (so the call reaches its phase rules)."""
     cids = st.one_of(st.sampled_from(["c1", "c2", "c3"]), good_ids)
     # Several future deadlines, so a lease a refused call moved shows.
     deadline = st.sampled_from([FAR, FAR, FAR - 1000, FAR + 1000, 1.0, 0.0])
@@ -337,7 +337,7 @@ def requests(draw: st.DrawFn, tmp: str) -> tuple[str, tuple[str, str], list[str]
     where = draw(paths())
     plane, name = where
     right = "GET" if (plane, name) == ("control", "status") else "POST"
-    # Mostly the right method and token, so most calls reach the controller.
+    # Mostly the right method and token, so most calls reach the engine.
     method = right if draw(st.integers(0, 9)) < 7 else draw(methods)
     auth = [GOOD_AUTH] if draw(st.integers(0, 9)) < 6 else draw(auths)
     if plane == "control" and name in OPERATIONS and draw(st.booleans()):
@@ -449,7 +449,7 @@ def test_every_route_under_random_requests(
             assert code == 200, reply
         after = checkpoint(f, "after", tmp / f"after-{f.name}")
         assert after == before[f.name], f.name
-        # The run reached the controller, not just the gate.
+        # The run reached the engine, not just the gate.
         assert set(f.seen) & {200, 400, 409}, f.seen
 
 

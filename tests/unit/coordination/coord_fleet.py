@@ -10,7 +10,7 @@ from coordination.engine.journal import Journal
 from coordination.engine.order import Member
 from coordination.engine.results import Timeouts
 from coordination.reach.hosts import FakeHost, Log
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.settings import CheckpointSettings
 from tests.unit.fakes import FakeParticipant, MemoryStore
 
@@ -37,7 +37,7 @@ class Fleet:
     core: CoordinatorCore
     hosts: dict[str, FakeHost]
     parts: dict[str, FakeParticipant]
-    ctrls: dict[str, ParticipantController]
+    ctrls: dict[str, ParticipantEngine]
     store: MemoryStore
     log: Log
     manifests: list[tuple[str, str, list[dict[str, Any]]]] = field(default_factory=list)
@@ -53,7 +53,7 @@ class Fleet:
         """One more in-process participant over the same store and log."""
         m = Member.parse(key)
         part = FakeParticipant(m.kind)
-        ctrl = ParticipantController(part, instance=m.name, settings=SETTINGS, store=self.store)
+        ctrl = ParticipantEngine(part, instance=m.name, settings=SETTINGS, store=self.store)
         host = FakeHost(m, ctrl, log=self.log)
         self.hosts[key], self.parts[key], self.ctrls[key] = host, part, ctrl
         if register:

@@ -12,7 +12,7 @@ from coordination.engine import receipts
 from coordination.engine.order import Member
 from coordination.reach.hosts import FakeHost
 from participants.environment import EnvironmentParticipant
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.errors import CoordinationFailed, InvalidRequest, UnknownReceipt
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.reports import Receipt
@@ -32,7 +32,7 @@ async def fleet() -> AsyncIterator[tuple[Fleet, dict[str, EnvironmentParticipant
         part = EnvironmentParticipant(
             EpisodeSteps(), ResultReceipts(max_results=100, max_bytes=1 << 20)
         )
-        ctl = ParticipantController(part, instance=m.name, settings=SETTINGS, store=f.store)
+        ctl = ParticipantEngine(part, instance=m.name, settings=SETTINGS, store=f.store)
         f.hosts[key], f.ctrls[key] = FakeHost(m, ctl, log=f.log), ctl
         f.core.register(f.hosts[key])
         envs[key] = part

@@ -3,7 +3,7 @@
 Each test injects an exception that is a bug of ours, not a participant's
 refusal (a `RuntimeError`), at one step of a phase, and optionally a second
 one at one step of the failure path that follows (journal, the resume
-fan-out, unpausing the controllers, stopping the renewer, clearing the
+fan-out, unpausing the trainer's actors, stopping the renewer, clearing the
 journal).  Afterwards every participant is idle, the core has no open
 checkpoint, and the next checkpoint succeeds (no `checkpoint_conflict ... is
 open (preparing)`).

@@ -1,5 +1,5 @@
 """Edges of the coordinator's entry points, over in-process participants
-(`coord_fleet`: real `ParticipantController`s):
+(`coord_fleet`: real `ParticipantEngine`s):
 
 - every entry point that opens a checkpoint or a restore first waits for the
   asynchronous checkpoint still publishing, and `LATEST` never moves back to

@@ -1,6 +1,6 @@
 """A drain whose move fails after its checkpoint: the old hosts run on, the
 failure names the checkpoint, and the move is tried again (bounded) while
-the node is still draining.  In-process coordinator over real controllers."""
+the node is still draining.  In-process coordinator over real engines."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 One seed is one small, fast scenario of the whole reference fleet in this
 process (no Ray): `tests.e2e.support_parity.LocalGym` (the fleet of
 `participants.local` behind a `CoordinatorCore` whose `FakeHost`s call the
-servers' own controllers; a crash stops every server without draining, a
+servers' own engines; a crash stops every server without draining, a
 relaunch starts fresh ones) is reused as is, with three probes added to each
 fleet it launches (`SeqGym.relaunch`):
 
@@ -274,7 +274,7 @@ async def uninterrupted(scenario: Scenario, session: aiohttp.ClientSession) -> R
 
 
 class Sequence:
-    """The controller: random actions and the duties that come with them."""
+    """The engine: random actions and the duties that come with them."""
 
     def __init__(
         self,

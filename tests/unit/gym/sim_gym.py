@@ -2,7 +2,7 @@
 
 One seed is one whole Gym in this process, no Ray: the reference fleet
 (`participants.local`, four kinds on loopback HTTP, each with its real
-`ParticipantController` and a real `FileRecordStore` on a temporary
+`ParticipantEngine` and a real `FileRecordStore` on a temporary
 directory) behind a real `CoordinatorCore` with the real Gym manifest and
 `LATEST` writers and readers.  Its hosts are `SimHost`s: `FakeHost`s that can
 lose a reply after the participant acted.  The triggers are the real ones
@@ -49,7 +49,7 @@ from coordination.triggers.drain import DrainWatcher
 from coordination.triggers.signal_budget import cut_budget
 from participants.fleet import KIND_ORDER, FleetConfig
 from participants.rollout import make_tasks, result_digest, run_episode
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.errors import (
     AdmissionClosed,
     CheckpointError,
@@ -207,7 +207,7 @@ class SideServer:
 
     participant: Any
     pool: InProcessPool
-    controller: ParticipantController
+    engine: ParticipantEngine
     stopped: bool = False
 
     async def run(self, episode: EpisodeId, **kw: Any) -> dict[str, Any]:
@@ -244,7 +244,7 @@ class SideServer:
         if self.stopped:
             return
         self.stopped = True
-        await self.controller.aclose()
+        await self.engine.aclose()
         await self.participant.aclose()
         await self.pool.stop()
 
@@ -319,7 +319,7 @@ class SimGym(SeqGym):
             {"enabled": True, "control_auth_token": TOKEN, "completion_receipts": receipts}
         )
         inner = FileRecordStore(full_every=self.sim.full_every)
-        ctrl = ParticipantController(
+        ctrl = ParticipantEngine(
             participant,
             instance=member.name,
             settings=settings,
@@ -348,7 +348,7 @@ class SimGym(SeqGym):
             self.side = None
         await super().close()
 
-    def controllers(self) -> dict[str, Any]:
+    def engines(self) -> dict[str, Any]:
         return {h.member.key: h.target for h in self.hosts if h.member.key not in self.dead}
 
     async def kill(self, key: str) -> None:
@@ -1241,7 +1241,7 @@ class Simulation:
         gym = self.gym
         if gym.core.open is not None:
             self.violations.append(f"a checkpoint is left open: {gym.core.open.checkpoint_id}")
-        for key, ctrl in gym.controllers().items():
+        for key, ctrl in gym.engines().items():
             phase = ctrl.state.phase.value
             if phase != "idle":
                 self.violations.append(f"{key} left {phase} (admission closed)")

@@ -12,18 +12,18 @@ re-run as the next attempt.  Invariants, against an uninterrupted run of the
 same scenario:
 
 - every rollout's outcome reaches the caller exactly once (outcomes of
-  attempts the controller retired aside) and equals the uninterrupted run's
+  attempts the engine retired aside) and equals the uninterrupted run's
   result, or is the same typed failure;
 - no outcome leaves the environment, and no model response is delivered,
   while that participant's admission is closed;
 - the model's collector (`PolicyModelParticipant.collect`) gets each
-  succeeded rollout's ledger exactly once from the attempts the controller
+  succeeded rollout's ledger exactly once from the attempts the engine
   kept (and at most once from each line of attempts it retired), and
   every ledger it gets (per attempt, at most once) equals the uninterrupted
   run's;
 - every committed checkpoint verifies; the crashed ones were restored on the
   way, and the last resumed one restores into a fresh fleet;
-- after the controller retires and forgets everything, every server is idle
+- after the engine retires and forgets everything, every server is idle
   and holds nothing.
 
 CI runs `CI_SEEDS`; `pytest tests/unit/gym/test_sequences_random.py --seeds N`
@@ -107,12 +107,12 @@ async def check_seed(scenario: Scenario, tmp_path: Path, seeded: list[Sequence])
                 ]
                 assert got == [expected[rollout]], (rollout, got, expected[rollout])
             # The collector gets each rollout's trajectory once from the attempts
-            # the controller kept, equal to the uninterrupted run's.  A retire of
+            # the engine kept, equal to the uninterrupted run's.  A retire of
             # attempt k discards k and every earlier attempt since the previous
             # retire (`retire_scope`): that line may have handed its trajectory
             # off once too (an attempt closed, so the model took its trajectory,
             # while a checkpoint held its outcome; a crash continued it and the
-            # controller retired the continuation: seed 195), never twice.
+            # engine retired the continuation: seed 195), never twice.
             cuts: dict[str, list[int]] = defaultdict(list)
             for rollout, attempt in sorted(run.retired):
                 cuts[rollout].append(attempt)
@@ -136,7 +136,7 @@ async def check_seed(scenario: Scenario, tmp_path: Path, seeded: list[Sequence])
                 keys = await restores(scenario, where, scope)
                 assert keys <= {e.next().capture_key for e in scope}, (keys, scope)
 
-            # The controller frees the final attempts and forgets every rollout.
+            # The engine frees the final attempts and forgets every rollout.
             await gym.retire([driver.episode(r) for r in sorted(tasks)])
             await assert_idle_and_empty(gym, retired_rollouts=len(tasks))
             await gym.forget(sorted(tasks))

@@ -112,12 +112,12 @@ async def test_a_restart_only_episode_is_not_charged_for_a_checkpoint_held_open(
             # Marked a restart right after its seed step.
             await until(lambda: env.steps.report(5).restarts == ["r"])
             for kind in KIND_ORDER:
-                reply = await fleet.controllers[kind].handle("prepare", body("c1"))
+                reply = await fleet.engines[kind].handle("prepare", body("c1"))
                 assert reply["phase"] == "prepared", (kind, reply)
             await asyncio.sleep(2.0)
             assert not pending.done()  # held at a downstream gate meanwhile
             for kind in reversed(KIND_ORDER):
-                await fleet.controllers[kind].handle("resume", body("c1"))
+                await fleet.engines[kind].handle("resume", body("c1"))
             reply = await pending
     finally:
         await fleet.stop()

@@ -63,21 +63,21 @@ async def cut_and_restore(
         run = asyncio.create_task(respond(http, old, "r", REQUEST))
         calls = model_of(old).participant.calls
         await until(lambda: any(len(c.tokens) == 6 for c in calls.values()))
-        assert old.controller is not None
-        assert (await old.controller.handle("prepare", body("c1")))["phase"] == "prepared"
+        assert old.engine is not None
+        assert (await old.engine.handle("prepare", body("c1")))["phase"] == "prepared"
         cut = model_of(old).participant.cuts
         assert len(cut) == 1
         cut_len = len(next(iter(cut.values())).tokens)
         assert 6 <= cut_len < 8  # a 4-token request must not get these back
         where = str(tmp_path / "c1")
-        await old.controller.handle("commit", body("c1", checkpoint_dir=where, episode_ids=IDS))
+        await old.engine.handle("commit", body("c1", checkpoint_dir=where, episode_ids=IDS))
         run.cancel()
     finally:
         await old.stop()
     new = await model_server("m")
-    assert new.controller is not None
-    await new.controller.handle("restore", body("c1", checkpoint_dir=where, episode_ids=IDS))
-    await new.controller.handle("resume", body("c1"))
+    assert new.engine is not None
+    await new.engine.handle("restore", body("c1", checkpoint_dir=where, episode_ids=IDS))
+    await new.engine.handle("resume", body("c1"))
     return expected, new, cut_len
 
 

@@ -29,7 +29,7 @@ async def test_a_call_whose_body_arrives_after_the_retire_is_refused_and_leaves_
         "model", FACTORIES["model"], "m", FleetConfig(), seed=1, tokens_per_turn=4
     )
     try:
-        assert server.controller is not None
+        assert server.engine is not None
         model = server.server
         assert isinstance(model, ModelServer)
         payload = orjson.dumps({"model": "scripted", "input": [{"role": "user", "content": "x"}]})
@@ -46,7 +46,7 @@ async def test_a_call_whose_body_arrives_after_the_retire_is_refused_and_leaves_
         await until(lambda: model.calls["responses"] == 1)
         await asyncio.sleep(0.05)
         retire = body("op1", episode_ids=[{"rollout_id": "r", "attempt": 0}])
-        await server.controller.handle("retire", retire)
+        await server.engine.handle("retire", retire)
         writer.write(payload[5:])
         await writer.drain()
         raw = await asyncio.wait_for(reader.read(), 5)

@@ -2,7 +2,7 @@
 
 Rows of finished (closed by the caller), retired and forgotten attempts are
 freed; `export` needs a scope (notes §1.10); with checkpointing off nothing is
-recorded.  Checked against the real participant, the real controller and the
+recorded.  Checked against the real participant, the real engine and the
 reference fleet on loopback.
 """
 
@@ -21,7 +21,7 @@ from participants.fleet import FleetConfig
 from participants.local import LocalFleet, start_local_fleet
 from participants.policy_model import PolicyModelParticipant
 from participants.rollout import make_tasks, run_episode
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.errors import InvalidRequest
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.settings import CheckpointSettings
@@ -117,25 +117,25 @@ async def test_export_requires_a_scope_and_a_refused_commit_changes_nothing(
     with pytest.raises(InvalidRequest):
         await model.export(None)
     settings = CheckpointSettings(enabled=True, control_auth_token=SecretStr("t"))
-    controller = ParticipantController(model, instance="m", settings=settings)
+    engine = ParticipantEngine(model, instance="m", settings=settings)
     serve_call(model, EpisodeId("r"), 0)
-    assert (await controller.handle("prepare", body("c1")))["phase"] == "prepared"
+    assert (await engine.handle("prepare", body("c1")))["phase"] == "prepared"
     where = str(tmp_path / "c1")
     with pytest.raises(InvalidRequest):
-        await controller.handle("commit", body("c1", checkpoint_dir=where))
-    assert controller.state.phase.value == "prepared"
+        await engine.handle("commit", body("c1", checkpoint_dir=where))
+    assert engine.state.phase.value == "prepared"
     assert not (tmp_path / "c1").exists()
     ids = [{"rollout_id": "r", "attempt": 0}]
-    reply = await controller.handle("commit", body("c1", checkpoint_dir=where, episode_ids=ids))
+    reply = await engine.handle("commit", body("c1", checkpoint_dir=where, episode_ids=ids))
     assert reply["episode_ids"] == ["r"]
     # The kind on the wire is NeMo Gym's `model`: in status and in the storage path.
-    assert controller.status()["kind"] == "model"
+    assert engine.status()["kind"] == "model"
     assert (tmp_path / "c1" / "gym" / "model" / "m").is_dir()
-    await controller.handle("resume", body("c1"))
-    # The controller's forget frees the rollout's rows with its marks.
-    await controller.handle("forget", body("f1", rollout_ids=["r"]))
+    await engine.handle("resume", body("c1"))
+    # The engine's forget frees the rollout's rows with its marks.
+    await engine.handle("forget", body("f1", rollout_ids=["r"]))
     assert model.table_sizes() == EMPTY
-    await controller.aclose()
+    await engine.aclose()
 
 
 TASKS = make_tasks(12, steps=2, seed=8)

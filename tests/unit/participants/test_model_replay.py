@@ -72,13 +72,13 @@ async def test_a_response_the_agent_dropped_is_replaced_not_repeated_after_resto
         run = asyncio.create_task(run_episode(http, old.urls["environment"], R, TASK))
         await asyncio.wait_for(reached.wait(), 10)
         for kind in KIND_ORDER:
-            reply = await old.controllers[kind].handle("prepare", body("c1"))
+            reply = await old.engines[kind].handle("prepare", body("c1"))
             assert reply["phase"] == "prepared", (kind, reply)
         # The model delivered the second call; the agent is still before it.
         assert len(old.server("model").participant.ledger[R]) == 2
         where = str(tmp_path / "c1")
         for kind in KIND_ORDER:
-            await old.controllers[kind].handle(
+            await old.engines[kind].handle(
                 "commit", body("c1", checkpoint_dir=where, episode_ids=IDS)
             )
         run.cancel()
@@ -89,11 +89,11 @@ async def test_a_response_the_agent_dropped_is_replaced_not_repeated_after_resto
     try:
         collected = collecting(new)
         for kind in KIND_ORDER:
-            await new.controllers[kind].handle(
+            await new.engines[kind].handle(
                 "restore", body("c1", checkpoint_dir=where, episode_ids=IDS)
             )
         for kind in reversed(KIND_ORDER):
-            await new.controllers[kind].handle("resume", body("c1"))
+            await new.engines[kind].handle("resume", body("c1"))
         reply = await run_episode(http, new.urls["environment"], R.next(), TASK)
         assert reply["result"] == base["result"]
         assert new.server("agent").model_calls == 1  # the dropped call, re-issued

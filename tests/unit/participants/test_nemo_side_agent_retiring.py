@@ -7,7 +7,7 @@ import asyncio
 
 from participants.agent import AgentParticipant
 from ray_ckpt import EpisodeId, ManualClock
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.settings import CheckpointSettings
 from tests.unit.fakes import MemoryStore
 from tests.unit.helpers import T0, until
@@ -15,7 +15,7 @@ from tests.unit.helpers import T0, until
 
 async def test_agent_status_retiring_counts_stops_that_outlive_their_call() -> None:
     agent = AgentParticipant(clock=ManualClock(T0))
-    c = ParticipantController(
+    c = ParticipantEngine(
         agent,
         instance="a",
         settings=CheckpointSettings(enabled=True, control_auth_token="t"),

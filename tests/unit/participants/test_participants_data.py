@@ -1,5 +1,5 @@
 """Data routes of the reference servers: retire frees everything, bad input is a
-clear 4xx that changes nothing.  In-process fleet on loopback, real controllers."""
+clear 4xx that changes nothing.  In-process fleet on loopback, real engines."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ async def test_retire_stops_and_frees_everything_the_attempt_held(
     retire = body("ret-1", episode_ids=[{"rollout_id": "r", "attempt": 0}])
     for group in (("environment",), ("agent",), ("model", "resources")):
         replies = await asyncio.gather(
-            *(fleet.controllers[k].handle("retire", retire) for k in group)
+            *(fleet.engines[k].handle("retire", retire) for k in group)
         )
         assert all(r["retired"] == ["r"] for r in replies), replies
     with pytest.raises(ParticipantUnavailable):
@@ -97,11 +97,11 @@ async def test_retire_stops_and_frees_everything_the_attempt_held(
         )
 
     # The marks last until forget, then nothing about the rollout remains.
-    for controller in fleet.controllers.values():
-        assert controller.status()["retired_rollouts"] == 1
-        reply = await controller.handle("forget", body("fgt-1", rollout_ids=["r"]))
+    for engine in fleet.engines.values():
+        assert engine.status()["retired_rollouts"] == 1
+        reply = await engine.handle("forget", body("fgt-1", rollout_ids=["r"]))
         assert reply == {"forgotten": ["r"]}
-        assert controller.status()["retired_rollouts"] == 0
+        assert engine.status()["retired_rollouts"] == 0
 
 
 async def test_bad_input_is_a_clear_4xx_and_changes_nothing(
@@ -164,7 +164,7 @@ async def test_a_closed_model_refuses_new_calls_and_resources_hold_late_ones(
     res = fleet.urls["resources"]
     await post(http, f"{res}/ng-rollout/s1/seed_session", {"task_id": "t", "seed": 9})
     for kind in ("model", "resources"):
-        reply = await fleet.controllers[kind].handle("prepare", body("c1"))
+        reply = await fleet.engines[kind].handle("prepare", body("c1"))
         assert reply["phase"] == "prepared"
     status, reply = await post(
         http, f"{fleet.urls['model']}/ng-rollout/m/v1/responses", {"input": ["hi"]}
@@ -176,7 +176,7 @@ async def test_a_closed_model_refuses_new_calls_and_resources_hold_late_ones(
     assert not late.done()
     assert fleet.server("resources").game.states[EpisodeId("s1")]["guesses"] == []
     for kind in ("resources", "model"):
-        await fleet.controllers[kind].handle("resume", body("c1"))
+        await fleet.engines[kind].handle("resume", body("c1"))
     status, reply = await asyncio.wait_for(late, 5)
     assert status == 200
     assert reply["state"]["guesses"] == [4]
@@ -189,21 +189,21 @@ async def test_restart_only_resources_make_the_episode_a_restart_that_never_bloc
         FleetConfig(resources_mode="restart_only", step_delay_s=0.05, token_delay_s=0.005)
     )
     try:
-        env = fleet.controllers["environment"]
+        env = fleet.engines["environment"]
         run = asyncio.create_task(
             run_episode(http, fleet.urls["environment"], EpisodeId("r"), TASK)
         )
         await until(lambda: env.participant.report(10).restarts == ["r"])
         for kind in ("environment", "model", "agent", "resources"):
-            reply = await fleet.controllers[kind].handle("prepare", body("c1"))
+            reply = await fleet.engines[kind].handle("prepare", body("c1"))
             assert reply["phase"] == "prepared", kind
-        assert fleet.controllers["resources"].participant.report(10).restarts == ["r"]
+        assert fleet.engines["resources"].participant.report(10).restarts == ["r"]
         scope = [{"rollout_id": "r", "attempt": 0}]
         commit = body("c1", checkpoint_dir=str(tmp_path), episode_ids=scope)
         with pytest.raises(RestartInScope):
             await env.handle("commit", commit)
         for kind in ("resources", "agent", "model", "environment"):
-            await fleet.controllers[kind].handle("resume", body("c1"))
+            await fleet.engines[kind].handle("resume", body("c1"))
         reply = await asyncio.wait_for(run, 10)
         assert reply["episode_id"] == {"rollout_id": "r", "attempt": 0}
         assert "result" in reply

@@ -1,4 +1,4 @@
-"""The reference fleet in-process on loopback, driven through the real controllers.
+"""The reference fleet in-process on loopback, driven through the real engines.
 
 Each scenario runs an episode uninterrupted, runs the same task again, takes a
 checkpoint with work in flight (mid-generation, mid-tool-call, mid-verify),
@@ -42,13 +42,13 @@ async def start() -> AsyncIterator[Start]:
 
 
 async def checkpoint(fleet: LocalFleet, cid: str, where: Path, scope: list[EpisodeId]) -> None:
-    """Prepare in order, then commit everywhere (the controller's duty)."""
+    """Prepare in order, then commit everywhere (the engine's duty)."""
     for kind in KIND_ORDER:
-        reply = await fleet.controllers[kind].handle("prepare", body(cid))
+        reply = await fleet.engines[kind].handle("prepare", body(cid))
         assert reply["phase"] == "prepared", (kind, reply)
     ids = [{"rollout_id": e.rollout_id, "attempt": e.attempt} for e in scope]
     for kind in KIND_ORDER:
-        reply = await fleet.controllers[kind].handle(
+        reply = await fleet.engines[kind].handle(
             "commit", body(cid, checkpoint_dir=str(where), episode_ids=ids)
         )
         assert reply["phase"] == "committed"
@@ -57,7 +57,7 @@ async def checkpoint(fleet: LocalFleet, cid: str, where: Path, scope: list[Episo
 async def restore(fleet: LocalFleet, cid: str, where: Path, scope: list[EpisodeId]) -> None:
     ids = [{"rollout_id": e.rollout_id, "attempt": e.attempt} for e in scope]
     for kind in KIND_ORDER:
-        reply = await fleet.controllers[kind].handle(
+        reply = await fleet.engines[kind].handle(
             "restore", body(cid, checkpoint_dir=str(where), episode_ids=ids)
         )
         assert reply["restored"] == sorted(e.next().capture_key for e in scope), kind
@@ -66,7 +66,7 @@ async def restore(fleet: LocalFleet, cid: str, where: Path, scope: list[EpisodeI
 
 async def resume(fleet: LocalFleet, cid: str) -> None:
     for kind in reversed(KIND_ORDER):
-        await fleet.controllers[kind].handle("resume", body(cid))
+        await fleet.engines[kind].handle("resume", body(cid))
 
 
 async def baseline(fleet: LocalFleet, http: aiohttp.ClientSession) -> dict[str, Any]:

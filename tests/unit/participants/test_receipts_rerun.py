@@ -25,7 +25,7 @@ async def test_a_held_result_is_not_run_twice() -> None:
     config = FleetConfig(token="rerun-token", completion_receipts=True, step_delay_s=0.0)
     fleet = await start_local_fleet(config)
     env = fleet.server("environment")
-    controller = fleet.controllers["environment"]
+    engine = fleet.engines["environment"]
     try:
         async with aiohttp.ClientSession() as http:
             run = f"{fleet.urls['environment']}/run"
@@ -45,7 +45,7 @@ async def test_a_held_result_is_not_run_twice() -> None:
             # trainer's choice: its result was handed over).
             async with http.post(run, json=run_body("r2", 0)) as resp:
                 assert "result" in await resp.json()
-            await controller.handle("ack", {"receipts": [receipt]})
+            await engine.handle("ack", {"receipts": [receipt]})
             async with http.post(run, json=run_body("r1", 1)) as resp:
                 assert resp.status == 200
                 assert "result" in await resp.json()

@@ -9,12 +9,12 @@ from typing import Any
 from pydantic import SecretStr
 
 from ray_ckpt.clock import ManualClock
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.control.protocol import Participant
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.steps import EpisodeSteps
-from ray_ckpt.steps.participant import EpisodeParticipant
+from ray_ckpt.steps.episode_participant import EpisodeParticipant
 from ray_ckpt.storage.records.record import Record
 from tests.unit.helpers import T0, body_t0
 
@@ -45,7 +45,7 @@ async def test_the_adapter_is_a_participant_over_its_steps() -> None:
     assert [b.key for b in report.blockers] == ["r"]
     assert not became_ready.is_set()
     release.set()
-    # The controller's readiness wait is woken by the notify callback alone.
+    # The engine's readiness wait is woken by the notify callback alone.
     await asyncio.wait_for(became_ready.wait(), 2)
     records = await source.export([EpisodeId("r")])
     assert records == [Record("r", {"boundary": {"next": "return"}, "step": 1})]
@@ -67,7 +67,7 @@ async def test_the_real_controller_checkpoints_and_restores_episodes(tmp_path: P
     clock = ManualClock(T0)
     settings = CheckpointSettings(enabled=True, control_auth_token=SecretStr("t"))
     steps = EpisodeSteps(clock=clock)
-    ctl = ParticipantController(
+    ctl = ParticipantEngine(
         EpisodeParticipant("environment", steps), instance="env0", settings=settings, clock=clock
     )
     in_verify = asyncio.Event()
@@ -109,7 +109,7 @@ async def test_the_real_controller_checkpoints_and_restores_episodes(tmp_path: P
 
     # A fresh process continues r1 as attempt 1 from the boundary after verify.
     steps2 = EpisodeSteps(clock=clock)
-    ctl2 = ParticipantController(
+    ctl2 = ParticipantEngine(
         EpisodeParticipant("environment", steps2), instance="env0", settings=settings, clock=clock
     )
     restored = await ctl2.handle(

@@ -79,7 +79,7 @@ async def test_a_wait_step_blocks_the_checkpoint_and_exports_the_boundary_after_
 
     script.release.set()
     await until(steps.ready)
-    assert wakes[-1] is True  # the controller's readiness wait was woken
+    assert wakes[-1] is True  # the engine's readiness wait was woken
     assert steps.report(10).counts == {"parked": 1}
     (record,) = steps.export(None)
     assert record == Record("r1", {"boundary": {"next": "return", "reward": 1.0}, "step": 2})

@@ -18,7 +18,7 @@ from ray_ckpt.clock import ManualClock
 from ray_ckpt.errors import InvalidPhase, InvalidRequest, StaleAttempt
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.steps import EpisodeSteps, EpisodeTimeout
-from ray_ckpt.steps.participant import EpisodeParticipant
+from ray_ckpt.steps.episode_participant import EpisodeParticipant
 from ray_ckpt.steps.persist import EpisodeNotHeld, RolloutExportedTwice
 from ray_ckpt.storage.records.record import Record
 from tests.unit.helpers import until

@@ -1,6 +1,6 @@
 """A commit or restore into a directory that cannot be used is a typed 4xx.
 
-Real controller, real `FileRecordStore`, real files, over loopback HTTP: the
+Real engine, real `FileRecordStore`, real files, over loopback HTTP: the
 reply is 400 `invalid_request` naming the directory and the reason (never a
 500 from a raw `OSError`), nothing changes, the checkpoint stays open and
 resumable, and the next checkpoint into a good directory commits.
@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 from pydantic import SecretStr
 
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.control.routes import CHECKPOINT_ROUTE_PREFIX, maybe_install_control_routes
 from ray_ckpt.errors import InvalidRequest, ParticipantUnavailable
 from ray_ckpt.settings import CheckpointSettings
@@ -72,11 +72,11 @@ NAMES = [
 @pytest.fixture
 async def live(
     serve: Serve,
-) -> AsyncIterator[tuple[str, ParticipantController, FakeParticipant]]:
+) -> AsyncIterator[tuple[str, ParticipantEngine, FakeParticipant]]:
     participant = FakeParticipant()
     participant.start("r1", at_boundary=True, state={"turn": 3})
     settings = CheckpointSettings(enabled=True, control_auth_token=SecretStr(TOKEN))
-    ctl = ParticipantController(participant, instance="env-0", settings=settings)
+    ctl = ParticipantEngine(participant, instance="env-0", settings=settings)
     app = web.Application()
     assert maybe_install_control_routes(app, ctl, settings)
     yield await serve(app), ctl, participant
@@ -101,7 +101,7 @@ def assert_names_the_directory(reply: Any, directory: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 async def test_commit_into_an_unusable_directory_is_400_and_stays_open(
     http: aiohttp.ClientSession,
-    live: tuple[str, ParticipantController, FakeParticipant],
+    live: tuple[str, ParticipantEngine, FakeParticipant],
     tmp_path: pathlib.Path,
     name: str,
 ) -> None:
@@ -143,7 +143,7 @@ async def test_restore_from_an_unusable_directory_is_400_and_changes_nothing(
 ) -> None:
     settings = CheckpointSettings(enabled=True, control_auth_token=SecretStr(TOKEN))
     fresh = FakeParticipant()
-    ctl = ParticipantController(fresh, instance="env-0", settings=settings)
+    ctl = ParticipantEngine(fresh, instance="env-0", settings=settings)
     app = web.Application()
     assert maybe_install_control_routes(app, ctl, settings)
     base = await serve(app)

@@ -24,9 +24,9 @@ table is the real `WorkerTable`, and the host side is the real
 Build one::
 
     participant, pool = make_workers_participant("environment", 2)
-    controller = ParticipantController(participant, instance="env0", settings=SETTINGS,
+    engine = ParticipantEngine(participant, instance="env0", settings=SETTINGS,
                                        store=MemoryStore())
-    # drive `controller.handle(...)`; a data call of rollout r0 on its owner:
+    # drive `engine.handle(...)`; a data call of rollout r0 on its owner:
     #   await pool.data(pool.owner("r0"), lambda s: s.run(EpisodeId("r0")))
     # and `pool.kill("w1", respawn=True)` loses a worker at any moment.
     ...
@@ -141,8 +141,8 @@ class EnvLikeServer:
     def app(self) -> web.Application:
         return web.Application()  # no route: `run` is called directly
 
-    def attach(self, controller: Any) -> None:
-        self.fence = controller
+    def attach(self, engine: Any) -> None:
+        self.fence = engine
 
     async def aclose(self) -> None:
         return None

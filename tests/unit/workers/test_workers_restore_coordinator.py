@@ -15,7 +15,7 @@ from pydantic import SecretStr
 
 from coordination.engine.order import Member
 from coordination.reach.hosts import FakeHost
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.errors import CoordinationFailed, StaleAttempt
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.settings import CheckpointSettings
@@ -38,7 +38,7 @@ SETTINGS = CheckpointSettings(
 
 def add_workers_env(f: Fleet) -> tuple[WorkersParticipant, InProcessPool]:
     participant, pool = make_workers_participant("environment", 2)
-    ctrl = ParticipantController(participant, instance="env", settings=SETTINGS, store=f.store)
+    ctrl = ParticipantEngine(participant, instance="env", settings=SETTINGS, store=f.store)
     f.hosts[ENV] = host = FakeHost(Member.parse(ENV), ctrl, log=f.log)
     f.ctrls[ENV] = ctrl
     f.core.register(host)

@@ -1,6 +1,6 @@
 """A multi-worker server meeting a restore: losses between install and resume,
 completion receipts across admission changes, an install failing on one
-worker.  The real controller, the real `WorkersParticipant` and the real
+worker.  The real engine, the real `WorkersParticipant` and the real
 worker runtimes, in one process (`tests.unit.workers.inprocess_workers`); a kill is
 the loss of a worker and everything it held.  `tests/workers/
 test_workers_restore_edges.py` runs the loss cases with real processes."""
@@ -15,7 +15,7 @@ import msgspec
 import pytest
 from pydantic import SecretStr
 
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.errors import (
     InvalidCheckpointState,
     ParticipantUnavailable,
@@ -44,13 +44,13 @@ CK = "/ck"
 
 
 class Env:
-    """One two-worker environment server under its controller."""
+    """One two-worker environment server under its engine."""
 
     def __init__(self, store: MemoryStore, *, receipts: bool = True) -> None:
         self.participant, self.pool = make_workers_participant(
             "environment", 2, completion_receipts=receipts
         )
-        self.ctl = ParticipantController(
+        self.ctl = ParticipantEngine(
             self.participant, instance="env0", settings=SETTINGS, store=store
         )
 

@@ -1,4 +1,4 @@
-"""What the participant controller answers: for the ID asked about, and
+"""What the participant engine answers: for the ID asked about, and
 `status.retiring` as the attempts being stopped right now."""
 
 from __future__ import annotations
@@ -9,25 +9,25 @@ from typing import Any
 import pytest
 
 from ray_ckpt import EpisodeId, ManualClock
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.steps import EpisodeSteps
-from ray_ckpt.steps.participant import EpisodeParticipant
+from ray_ckpt.steps.episode_participant import EpisodeParticipant
 from tests.unit.fakes import FakeParticipant, MemoryStore
 from tests.unit.helpers import T0, body_t0, until
 
 SETTINGS = CheckpointSettings(enabled=True, control_auth_token="t")
 
 
-def controller(participant: Any) -> ParticipantController:
-    return ParticipantController(
+def engine(participant: Any) -> ParticipantEngine:
+    return ParticipantEngine(
         participant, instance="i", settings=SETTINGS, clock=ManualClock(T0), store=MemoryStore()
     )
 
 
 async def test_an_idempotent_resume_answers_idle_for_its_id_while_another_is_open() -> None:
     p = FakeParticipant()
-    c = controller(p)
+    c = engine(p)
     await c.handle("prepare", body_t0("c1"))
     await c.handle("resume", body_t0("c1"))
     assert (await c.handle("prepare", body_t0("c2")))["phase"] == "prepared"
@@ -39,10 +39,10 @@ async def test_an_idempotent_resume_answers_idle_for_its_id_while_another_is_ope
 async def test_an_interrupted_prepare_answers_for_its_own_id() -> None:
     p = FakeParticipant()
     p.start("slow")  # never at a boundary: every prepare waits
-    c = controller(p)
+    c = engine(p)
     first = asyncio.create_task(c.handle("prepare", body_t0("c1")))
     await asyncio.sleep(0.02)
-    # Queue a resume of c1 and then a prepare of c2 on the controller's lock,
+    # Queue a resume of c1 and then a prepare of c2 on the engine's lock,
     # so c2 opens before the interrupted prepare of c1 reads the state.
     await c._lock.acquire()
     resume = asyncio.create_task(c.handle("resume", body_t0("c1")))
@@ -60,7 +60,7 @@ async def test_an_interrupted_prepare_answers_for_its_own_id() -> None:
 
 async def test_status_retiring_counts_the_attempts_being_stopped() -> None:
     steps = EpisodeSteps(clock=ManualClock(T0))
-    c = controller(EpisodeParticipant("environment", steps))
+    c = engine(EpisodeParticipant("environment", steps))
     let_go = asyncio.Event()
     started = 0
 

@@ -1,10 +1,10 @@
-"""The controller's helpers through their own narrow interfaces, and the
-controller handing them what is in place at each call.
+"""The engine's helpers through their own narrow interfaces, and the
+engine handing them what is in place at each call.
 
 The helpers (`commit.Commits`, `restore.Restores`, `timing`) never see the
-controller: they are given the participant, the store, the clock and
+engine: they are given the participant, the store, the clock and
 callables.  These tests drive them that way, with a fake participant and an
-in-memory store, and check that the controller's replaceable attributes
+in-memory store, and check that the engine's replaceable attributes
 (`store`, `clock`) still reach work started after they were replaced.
 """
 
@@ -16,7 +16,7 @@ import pytest
 
 from ray_ckpt import EpisodeId, ManualClock
 from ray_ckpt.control.commit import Commits
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.control.restore import Restores
 from ray_ckpt.control.timing import LeaseWatcher, ReadinessWait
 from ray_ckpt.control.wire import CommitRequest, RestoreRequest, decode_request
@@ -26,17 +26,17 @@ from tests.unit.fakes import FakeParticipant, MemoryStore
 from tests.unit.helpers import T0, body_t0, until
 
 
-def controller() -> tuple[ParticipantController, FakeParticipant]:
+def engine() -> tuple[ParticipantEngine, FakeParticipant]:
     p = FakeParticipant()
     settings = CheckpointSettings(enabled=True, control_auth_token="t")
-    c = ParticipantController(
+    c = ParticipantEngine(
         p, instance="env0", settings=settings, clock=ManualClock(T0), store=MemoryStore()
     )
     return c, p
 
 
 async def test_a_store_replaced_after_construction_takes_the_sync_commits_write() -> None:
-    c, p = controller()
+    c, p = engine()
     replaced = MemoryStore()
     c.store = replaced
     c.clock = ManualClock(T0 + 5)
@@ -51,7 +51,7 @@ async def test_a_store_replaced_after_construction_takes_the_sync_commits_write(
 
 
 async def test_an_async_commits_write_goes_to_the_store_in_place_at_the_resume() -> None:
-    c, p = controller()
+    c, p = engine()
     p.start("r1", at_boundary=True, state={"s": 1})
     await c.handle("prepare", body_t0("c1"))
     pending = await c.handle("commit", body_t0("c1", checkpoint_dir="/ck", durability="async"))

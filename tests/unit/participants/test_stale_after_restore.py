@@ -1,7 +1,7 @@
 """After a restore installs attempt N + 1, every kind's data plane refuses
 attempts <= N with `stale_attempt` (409) until `forget`.
 
-The reference fleet in-process on loopback with real controllers and real
+The reference fleet in-process on loopback with real engines and real
 files: a checkpoint mid-episode, the fleet thrown away, a fresh one restored.
 """
 
@@ -46,10 +46,10 @@ async def checkpoint_mid_episode(http: aiohttp.ClientSession, where: Path) -> No
         run = asyncio.create_task(run_episode(http, old.urls["environment"], EpisodeId("r"), TASK))
         await until(lambda: old.server("model").stats()["ledger_entries"] >= 1)
         for kind in KIND_ORDER:
-            reply = await old.controllers[kind].handle("prepare", body("c1"))
+            reply = await old.engines[kind].handle("prepare", body("c1"))
             assert reply["phase"] == "prepared", (kind, reply)
         for kind in KIND_ORDER:
-            await old.controllers[kind].handle(
+            await old.engines[kind].handle(
                 "commit", body("c1", checkpoint_dir=str(where), episode_ids=SCOPE)
             )
         run.cancel()
@@ -64,12 +64,12 @@ async def test_a_restored_rollout_refuses_its_older_attempts_on_every_kind(
     new = await start_local_fleet(FAST)
     try:
         for kind in KIND_ORDER:
-            reply = await new.controllers[kind].handle(
+            reply = await new.engines[kind].handle(
                 "restore", body("c1", checkpoint_dir=str(tmp_path), episode_ids=SCOPE)
             )
             assert reply["restored"] == ["r-a1"], kind
         for kind in reversed(KIND_ORDER):
-            await new.controllers[kind].handle("resume", body("c1"))
+            await new.engines[kind].handle("resume", body("c1"))
 
         # A late call of attempt 0 (sent before the crash) reaches the fresh
         # hosts: refused, never served from their empty state.
@@ -84,11 +84,11 @@ async def test_a_restored_rollout_refuses_its_older_attempts_on_every_kind(
 
         # The marks last until forget, as retire marks do (yet retire nothing:
         # `retired_rollouts` counts the rollouts retire calls named).
-        for controller in new.controllers.values():
-            assert controller.status()["retired_rollouts"] == 0
-            assert await controller.handle("forget", body("f1", rollout_ids=["r"])) == {
+        for engine in new.engines.values():
+            assert engine.status()["retired_rollouts"] == 0
+            assert await engine.handle("forget", body("f1", rollout_ids=["r"])) == {
                 "forgotten": ["r"]
             }
-            assert controller.status()["retired_rollouts"] == 0
+            assert engine.status()["retired_rollouts"] == 0
     finally:
         await new.stop()

@@ -1,4 +1,4 @@
-"""The asynchronous commit on one controller, over real files: pending once
+"""The asynchronous commit on one engine, over real files: pending once
 captured, resume while the write runs, a re-sent commit answering the final
 manifest or the write's error, the next prepare waiting for the write, and a
 capture that later changes of the live state cannot reach."""
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from ray_ckpt.clock import SystemClock
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.errors import (
     CheckpointConflict,
     DeadlineExceeded,
@@ -44,11 +44,11 @@ class GatedStore(FileRecordStore):
         return super().write(checkpoint_dir, **kw)
 
 
-def make() -> tuple[ParticipantController, FakeParticipant, GatedStore]:
+def make() -> tuple[ParticipantEngine, FakeParticipant, GatedStore]:
     p = FakeParticipant()
     store = GatedStore()
     settings = CheckpointSettings(enabled=True, control_auth_token="t", lease_grace_seconds=60)
-    c = ParticipantController(
+    c = ParticipantEngine(
         p, instance="env0", settings=settings, clock=SystemClock(), store=store
     )
     return c, p, store

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import pytest
 
 from ray_ckpt import EpisodeId, ManualClock, Record
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.errors import DeadlineExceeded, InvalidCheckpointState, StaleCheckpoint
 from ray_ckpt.settings import CheckpointSettings
 from tests.unit.fakes import FakeParticipant, Manifest, MemoryStore
@@ -42,7 +42,7 @@ class SlowRelease(FakeParticipant):
 SCOPE = [{"rollout_id": "a", "attempt": 1}]
 
 
-async def restored_then_prepared() -> tuple[ParticipantController, SlowRelease, MemoryStore]:
+async def restored_then_prepared() -> tuple[ParticipantEngine, SlowRelease, MemoryStore]:
     """A participant holding restored a-a1 and b-a2, prepared for c1."""
     p = SlowRelease()
     store = MemoryStore()
@@ -51,7 +51,7 @@ async def restored_then_prepared() -> tuple[ParticipantController, SlowRelease, 
         [Record("a", 1), Record("b-a1", 2)],
     )
     settings = CheckpointSettings(enabled=True, control_auth_token="t")
-    c = ParticipantController(
+    c = ParticipantEngine(
         p, instance="env0", settings=settings, clock=ManualClock(T0), store=store
     )
     await c.handle(
@@ -137,7 +137,7 @@ async def test_a_state_that_would_not_come_back_the_same_fails_the_commit_closed
     p = FakeParticipant()
     store = MemoryStore()
     settings = CheckpointSettings(enabled=True, control_auth_token="t")
-    c = ParticipantController(
+    c = ParticipantEngine(
         p, instance="env0", settings=settings, clock=ManualClock(T0), store=store
     )
     p.start("r", at_boundary=True, state={"rng": [3, (1, 2)]})

@@ -1,6 +1,6 @@
 """Restore on the participant: never stuck, never half-open, no zombie attempt.
 
-The real controller over a fake participant and an in-memory store, with a
+The real engine over a fake participant and an in-memory store, with a
 manual clock for the lease; installs are slowed by gates to land a deadline,
 a cancellation or a lapse while they run.
 """
@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from ray_ckpt import EpisodeId, ManualClock, Record
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.control.routes import CHECKPOINT_ROUTE_PREFIX, control_app
 from ray_ckpt.errors import (
     CheckpointConflict,
@@ -58,7 +58,7 @@ class GatedParticipant(FakeParticipant):
         return await super().install(records)
 
 
-def make() -> tuple[ParticipantController, GatedParticipant, ManualClock]:
+def make() -> tuple[ParticipantEngine, GatedParticipant, ManualClock]:
     p = GatedParticipant()
     store = MemoryStore()
     store.data[("/ck", "environment", "env0")] = (
@@ -67,7 +67,7 @@ def make() -> tuple[ParticipantController, GatedParticipant, ManualClock]:
     )
     clock = ManualClock(T0)
     settings = CheckpointSettings(enabled=True, control_auth_token="t", lease_grace_seconds=GRACE)
-    c = ParticipantController(p, instance="env0", settings=settings, clock=clock, store=store)
+    c = ParticipantEngine(p, instance="env0", settings=settings, clock=clock, store=store)
     return c, p, clock
 
 
@@ -81,7 +81,7 @@ def restore_body(cid: str = "c0", deadline: float = 30.0, **extra: Any) -> dict[
     }
 
 
-async def miss_the_deadline(c: ParticipantController, p: GatedParticipant) -> None:
+async def miss_the_deadline(c: ParticipantEngine, p: GatedParticipant) -> None:
     """Start a restore whose install outlives its (short, real-time) deadline."""
     p.gate = asyncio.Event()
     with pytest.raises(DeadlineExceeded):

@@ -1,6 +1,6 @@
-"""The participant controller: one per Gym server, transport-agnostic.
+"""The participant engine: one per Gym server, transport-agnostic.
 
-`ParticipantController` owns the pure phase machine
+`ParticipantEngine` owns the pure phase machine
 (`ray_ckpt.control.phase_machine`), the retire marks, the lock and the
 registry of commit writes, and carries out what the machine decides on the
 participant hooks.  The HTTP routes and the Ray actor methods both call
@@ -20,7 +20,7 @@ The work of the steps lives in helpers given only what they use: `commit`
 commit's write, after the resume), `restore` (the once-per-process read and
 install), `timing` (the call deadline, the readiness wait, the lease
 watcher) and `receipt_ops` (the held results behind `ack` and `collect`).
-The controller hands them its `store` and `clock` at each call, not once,
+The engine hands them its `store` and `clock` at each call, not once,
 so replacing either (a test swaps `store`) reaches them too.
 """
 
@@ -72,7 +72,7 @@ from ray_ckpt.storage.seam import FileRecordStore, RecordStore
 log = logging.getLogger(__name__)
 
 
-class ParticipantController:
+class ParticipantEngine:
     """One Gym server's control plane: every control call and the lease lapse.
 
     Every state-changing call is idempotent under its checkpoint ID (a retry
@@ -117,7 +117,7 @@ class ParticipantController:
         # Told of every call and lease expiry (the host's metrics); none off Ray.
         self.observer: ControlObserver | None = None
         # Which process answers: a server whose port several processes share,
-        # each with a controller of its own, shows several (refused at
+        # each with a engine of its own, shows several (refused at
         # discovery, `ray_ckpt.workers.detect`).
         self.process_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         participant.bind(self.notify)
@@ -330,7 +330,7 @@ class ParticipantController:
     ) -> dict[str, Any]:
         """Once the write is durable, the release steps, then the reply, cached
         only once all of it is done: drop the restored state the scope left
-        out, and park the exported episodes if the controller stops.
+        out, and park the exported episodes if the engine stops.
 
         A step that misses the deadline (or whose call is cancelled) raises
         and is run again by a retry of the same commit; a step done is not
@@ -527,7 +527,7 @@ class ParticipantController:
 
     # --- lease ---------------------------------------------------------------
     async def check_lease(self) -> bool:
-        """Resume by itself if the controller stopped calling; True if it did."""
+        """Resume by itself if the engine stopped calling; True if it did."""
         async with self._lock:
             if not self.state.lease_expired(self.clock.now()):
                 return False

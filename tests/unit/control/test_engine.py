@@ -1,4 +1,4 @@
-"""The participant controller over a fake participant and an in-memory store."""
+"""The participant engine over a fake participant and an in-memory store."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from ray_ckpt import EpisodeId, ManualClock, Record
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.errors import (
     CheckpointConflict,
     DeadlineExceeded,
@@ -26,12 +26,12 @@ from tests.unit.helpers import T0, body_t0, until
 
 def make(
     grace: float = 600.0, participant: FakeParticipant | None = None
-) -> tuple[ParticipantController, FakeParticipant, MemoryStore, ManualClock]:
+) -> tuple[ParticipantEngine, FakeParticipant, MemoryStore, ManualClock]:
     p = participant or FakeParticipant()
     store = MemoryStore()
     clock = ManualClock(T0)
     settings = CheckpointSettings(enabled=True, control_auth_token="t", lease_grace_seconds=grace)
-    c = ParticipantController(p, instance="env0", settings=settings, clock=clock, store=store)
+    c = ParticipantEngine(p, instance="env0", settings=settings, clock=clock, store=store)
     return c, p, store, clock
 
 
@@ -278,7 +278,7 @@ async def test_lease_watcher_task_resumes_with_real_time() -> None:
 
     p = FakeParticipant()
     settings = CheckpointSettings(enabled=True, control_auth_token="t", lease_grace_seconds=0.2)
-    c = ParticipantController(
+    c = ParticipantEngine(
         p, instance="i", settings=settings, clock=SystemClock(), store=MemoryStore()
     )
     c.start()

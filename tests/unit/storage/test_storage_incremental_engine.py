@@ -1,4 +1,4 @@
-"""A controller restoring an incremental checkpoint: all of it, or nothing."""
+"""A engine restoring an incremental checkpoint: all of it, or nothing."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ray_ckpt import Record
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.storage import open_location, write_gym_manifest
@@ -37,7 +37,7 @@ def commit(store: FileRecordStore, root: Path, cid: str, changed: int) -> Partic
 
 async def restore(root: Path, cid: str) -> FakeParticipant:
     p = FakeParticipant()
-    c = ParticipantController(p, instance=INST, settings=SETTINGS, store=FileRecordStore())
+    c = ParticipantEngine(p, instance=INST, settings=SETTINGS, store=FileRecordStore())
     episodes = [{"rollout_id": r} for r in ROLLOUTS]
     await c.handle("restore", body(cid, checkpoint_dir=str(root / cid), episode_ids=episodes))
     return p
@@ -62,7 +62,7 @@ async def test_a_missing_referenced_file_installs_nothing(tmp_path: Path) -> Non
     with pytest.raises(InvalidCheckpointState, match=r"referenced records file .* is missing"):
         await restore(tmp_path, "c1")
     p = FakeParticipant()
-    c = ParticipantController(p, instance=INST, settings=SETTINGS, store=FileRecordStore())
+    c = ParticipantEngine(p, instance=INST, settings=SETTINGS, store=FileRecordStore())
     with pytest.raises(InvalidCheckpointState):
         await c.handle(
             "restore",

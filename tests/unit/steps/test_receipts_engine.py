@@ -1,4 +1,4 @@
-"""Completion receipts through the real controller and the real control routes:
+"""Completion receipts through the real engine and the real control routes:
 held results in status, ack and collect, the prepare bound, the scope check,
 and a checkpoint that carries the unacknowledged results into a fresh process."""
 
@@ -16,7 +16,7 @@ from pydantic import SecretStr
 
 from participants.environment import EnvironmentParticipant
 from ray_ckpt.control.asgi import ControlASGIMiddleware
-from ray_ckpt.control.controller import ParticipantController
+from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.control.routes import CHECKPOINT_ROUTE_PREFIX, control_app
 from ray_ckpt.errors import (
     FinishedInScope,
@@ -29,7 +29,7 @@ from ray_ckpt.identity import EpisodeId
 from ray_ckpt.reports import Receipt
 from ray_ckpt.settings import CheckpointSettings
 from ray_ckpt.steps import EpisodeSteps
-from ray_ckpt.steps.participant import EpisodeParticipant
+from ray_ckpt.steps.episode_participant import EpisodeParticipant
 from ray_ckpt.steps.receipts import ResultReceipts
 from ray_ckpt.storage import write_gym_manifest
 from ray_ckpt.storage.participant.participant_manifest import ParticipantManifest
@@ -43,11 +43,11 @@ SETTINGS = CheckpointSettings(
 )
 
 
-def env(max_results: int = 100) -> tuple[ParticipantController, EnvironmentParticipant]:
+def env(max_results: int = 100) -> tuple[ParticipantEngine, EnvironmentParticipant]:
     steps = EpisodeSteps()
     receipts = ResultReceipts(max_results=max_results, max_bytes=1 << 20)
     participant = EnvironmentParticipant(steps, receipts)
-    return ParticipantController(participant, instance="env0", settings=SETTINGS), participant
+    return ParticipantEngine(participant, instance="env0", settings=SETTINGS), participant
 
 
 async def finish(p: EnvironmentParticipant, eid: EpisodeId, result: Any) -> Receipt:
@@ -90,7 +90,7 @@ async def test_status_collect_and_ack_and_idempotent_re_ack() -> None:
 
 
 async def test_a_participant_without_receipts_refuses_ack_and_collects_nothing() -> None:
-    ctl = ParticipantController(
+    ctl = ParticipantEngine(
         EpisodeParticipant("environment", EpisodeSteps()), instance="e", settings=SETTINGS
     )
     receipt = Receipt(rollout_id="r1", digest="a" * 64)
@@ -157,7 +157,7 @@ async def test_a_checkpoint_carries_unacknowledged_results_into_a_fresh_process(
     assert ctl2.status()["unacknowledged_results"] == 0
 
     # Where receipts are off the results cannot be installed: refused, not dropped.
-    off = ParticipantController(
+    off = ParticipantEngine(
         EnvironmentParticipant(EpisodeSteps()), instance="env0", settings=SETTINGS
     )
     with pytest.raises(InvalidCheckpointState) as err:
@@ -194,7 +194,7 @@ async def test_ack_route_is_bearer_protected_typed_and_idempotent(
 
 
 async def _ack_route_checks(
-    http: aiohttp.ClientSession, base: str, ctl: ParticipantController, a: Receipt
+    http: aiohttp.ClientSession, base: str, ctl: ParticipantEngine, a: Receipt
 ) -> None:
     ack_url = f"{base}{CHECKPOINT_ROUTE_PREFIX}/ack"
     payload = {"receipts": wire([a])}
