@@ -291,17 +291,20 @@ class Coordinator:
         await self._ready()
         return await self.core.renew()
 
-    async def checkpoint(self, options: CheckpointOptions | str) -> CheckpointResult:
-        """`options`: the checkpoint's (the engine checks them), or only its
-        directory (every other option as `CheckpointOptions` defaults it)."""
-        if isinstance(options, str):
-            options = CheckpointOptions(checkpoint_dir=options)
+    async def checkpoint(
+        self, options: CheckpointOptions | str, scope: list[EpisodeId] | None = None, **fields: Any
+    ) -> CheckpointResult:
+        """`options`: the checkpoint's, or only its directory with the others
+        as keywords (the engine checks them, and refuses both at once)."""
         await self._ready(discover=True)
         # Before anyone is paused: a location that cannot be written is refused
         # (unless a checkpoint is open: that refusal needs no storage).
         if self.core.open is None:
-            await writable(options.checkpoint_dir)
-        return await self.core.checkpoint(options, scope_source=self.scope_source)
+            where = options.checkpoint_dir if isinstance(options, CheckpointOptions) else options
+            await writable(where)
+        return await self.core.checkpoint(
+            options, scope, scope_source=self.scope_source, **fields
+        )
 
     async def durable(self, checkpoint_id: str) -> DurableResult:
         """An asynchronous checkpoint once its Gym manifest is written."""

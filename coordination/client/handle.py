@@ -119,7 +119,11 @@ class CoordinatorHandle(MemberCalls, ReceiptCalls):
             durability=durability,
         )
         if isinstance(checkpoint_dir, CheckpointOptions):
-            asked = _given_whole(checkpoint_dir, asked)
+            # The engine refuses keywords beside a whole CheckpointOptions; the
+            # handle only passes on the ones given (those not at their default).
+            return Call("checkpoint", checkpoint_dir, **_given_keywords(asked)).then(
+                self._pending_if_async
+            )
         return Call("checkpoint", asked).then(self._pending_if_async)
 
     if TYPE_CHECKING:
@@ -392,11 +396,11 @@ class CoordinatorHandle(MemberCalls, ReceiptCalls):
             self._on_signal = None
 
 
-def _given_whole(options: CheckpointOptions, keywords: CheckpointOptions) -> CheckpointOptions:
-    """`options` as given, unless keywords were given next to it (which would
-    otherwise be dropped without a word)."""
-    if keywords != CheckpointOptions(checkpoint_dir=keywords.checkpoint_dir):
-        raise InvalidRequest(
-            "give the checkpoint's options as one CheckpointOptions or as keywords, not both"
-        )
-    return options
+def _given_keywords(asked: CheckpointOptions) -> dict[str, Any]:
+    """The keywords of a call that differ from `CheckpointOptions`' defaults."""
+    default = CheckpointOptions(checkpoint_dir=asked.checkpoint_dir)
+    return {
+        name: getattr(asked, name)
+        for name in asked.__struct_fields__
+        if getattr(asked, name) != getattr(default, name)
+    }

@@ -192,6 +192,8 @@ class OpenCheckpoint:
         # Found open in the journal by a restarted coordinator, and aborted.
         self.recovered = False
         self.closed = False
+        # A restore: the checkpoint ID of the directory it installs.
+        self.source_id: str | None = None
         self._span = tracing.start(
             f"ray_ckpt.{op}", {"ray_ckpt.trigger": trigger, "ray_ckpt.id": checkpoint_id}
         )
@@ -1357,7 +1359,7 @@ class CoordinatorCore:
             checkpoint_dir=checkpoint_dir,
             episode_ids=[e.capture_key for e in episodes],
         )
-        oc.source_id = source_id  # type: ignore[attr-defined]
+        oc.source_id = source_id
         return oc
 
     async def _restore(
@@ -1409,7 +1411,7 @@ class CoordinatorCore:
             resume_failures = dict((await self._resume(oc)).failures)
         return RestoreResult(
             checkpoint_id=cid,
-            source_checkpoint_id=getattr(oc, "source_id", None),
+            source_checkpoint_id=oc.source_id,
             checkpoint_dir=checkpoint_dir,
             total_s=time.monotonic() - start,
             timings=out.timings,
@@ -1424,8 +1426,7 @@ class CoordinatorCore:
         self, oc: OpenCheckpoint, episodes: Sequence[EpisodeId], deadline_ts: float
     ) -> None:
         """Retire the next attempts, then resume everyone; continue past failures."""
-        if oc.phase is not P.RESUMING:
-            await oc.fire(E.UNDO)
+        await oc.fire(E.UNDO)  # from RESUMING too: a resume that found state lost
         await self._retire_next_attempts(oc, episodes, deadline_ts)
         await self._resume_everyone(oc)
         await self._close(oc)

@@ -104,15 +104,24 @@ async def test_one_options_struct_is_sent_as_given() -> None:
     assert actor.sent == [("checkpoint", (asked,), {})]
 
 
-@pytest.mark.parametrize("extra", [{"scope": ["r1"]}, {"stop": True}, {"durability": "async"}])
-async def test_options_and_keywords_together_are_refused_and_nothing_is_sent(
-    extra: dict[str, Any],
+@pytest.mark.parametrize(
+    ("extra", "passed"),
+    [
+        ({"scope": ["r1"]}, {"scope": [EpisodeId("r1")]}),
+        ({"stop": True}, {"stop": True}),
+        ({"durability": "async"}, {"durability": "async"}),
+    ],
+)
+async def test_keywords_beside_the_options_go_on_to_the_engine_to_judge(
+    extra: dict[str, Any], passed: dict[str, Any]
 ) -> None:
+    # The handle restates no rule: it passes the struct and what was given
+    # beside it; the engine refuses the pair (the actor test below).
     actor = Actor(checkpoint=reply())
     gym = CoordinatorHandle(actor, "ns")
-    with pytest.raises(InvalidRequest, match="not both"):
-        await gym.acheckpoint(CheckpointOptions(checkpoint_dir="/ck/1"), **extra)
-    assert actor.sent == []
+    asked = CheckpointOptions(checkpoint_dir="/ck/1")
+    await gym.acheckpoint(asked, **extra)
+    assert actor.sent == [("checkpoint", (asked,), passed)]
 
 
 async def test_the_handle_leaves_the_checking_to_the_engine() -> None:
@@ -189,6 +198,18 @@ async def test_the_engine_checks_the_options_once_before_anyone_is_paused(
     with pytest.raises(InvalidRequest, match="strict and stop"):
         await coordinator.checkpoint(asked)
     assert fleet.events("prepare") == []
+
+
+@pytest.mark.parametrize("extra", [{"scope": SCOPE}, {"stop": True}, {"durability": "async"}])
+async def test_options_and_keywords_together_are_refused_before_anyone_is_paused(
+    actor: tuple[Coordinator, Fleet], tmp_path: Path, extra: dict[str, Any]
+) -> None:
+    coordinator, fleet = actor
+    asked = CheckpointOptions(checkpoint_dir=str(tmp_path / "ck"))
+    with pytest.raises(InvalidRequest, match="not both"):
+        await coordinator.checkpoint(asked, **extra)
+    assert fleet.events("prepare") == []
+    assert fleet.core.open is None
 
 
 async def test_the_actor_takes_a_directory_alone(
