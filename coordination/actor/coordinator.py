@@ -302,9 +302,7 @@ class Coordinator:
         if self.core.open is None:
             where = options.checkpoint_dir if isinstance(options, CheckpointOptions) else options
             await writable(where)
-        return await self.core.checkpoint(
-            options, scope, scope_source=self.scope_source, **fields
-        )
+        return await self.core.checkpoint(options, scope, scope_source=self.scope_source, **fields)
 
     async def durable(self, checkpoint_id: str) -> DurableResult:
         """An asynchronous checkpoint once its Gym manifest is written."""

@@ -57,7 +57,6 @@ from coordination.engine.results import (
 from coordination.triggers.periodic import DEFAULT_PREFIX
 from coordination.triggers.signals import DEFAULT_GRACE_S as SIGNAL_GRACE_S
 from coordination.triggers.signals import DEFAULT_SIGNALS, SignalCheckpointing
-from ray_ckpt.errors import InvalidRequest
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage.root.catalog import CheckpointEntry
 from ray_ckpt.storage.root.retention import DEFAULT_GRACE_S, GcPlan
