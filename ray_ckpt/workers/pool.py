@@ -21,7 +21,7 @@ import shutil
 import signal
 import socket
 import tempfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from ray_ckpt.gym_server.spec import ServerSpec
@@ -264,14 +264,7 @@ class WorkerPool:
         self, op: str, body: dict[str, Any], timeout_s: float = MESSAGE_TIMEOUT_S
     ) -> dict[str, Any]:
         """The op on every connected worker; raises the first failure (after all end)."""
-        wids = sorted(self.channels)
-        results = await asyncio.gather(
-            *(self.call(w, op, body, timeout_s) for w in wids), return_exceptions=True
-        )
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return dict(zip(wids, results, strict=True))
+        return await each_worker(sorted(self.channels), lambda w: self.call(w, op, body, timeout_s))
 
     async def tell_all(self, op: str, body: dict[str, Any]) -> None:
         """A generation change: every worker's reply is its report at that generation."""
@@ -320,3 +313,13 @@ class WorkerPool:
                     p.kill()
                 await p.wait()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+async def each_worker(wids: Sequence[str], call: Callable[[str], Awaitable[Any]]) -> dict[str, Any]:
+    """`call` on every worker at once; every call ends before the first failure
+    is raised, so no reply is left in flight behind the error."""
+    results = await asyncio.gather(*(call(w) for w in wids), return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return dict(zip(wids, results, strict=True))

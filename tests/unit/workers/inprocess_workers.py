@@ -73,7 +73,7 @@ from ray_ckpt.storage.records.record import Record
 from ray_ckpt.workers.aggregate import WorkersParticipant
 from ray_ckpt.workers.channel import MESSAGE_TIMEOUT_S, ChannelClosed
 from ray_ckpt.workers.config import WorkerConfig
-from ray_ckpt.workers.pool import WorkerPool
+from ray_ckpt.workers.pool import WorkerPool, each_worker
 from ray_ckpt.workers.routing import owner_index
 from ray_ckpt.workers.spawn import to_report
 from ray_ckpt.workers.tracking import WorkerTable, worker_id
@@ -403,14 +403,9 @@ class InProcessPool:
     async def call_all(
         self, op: str, body: dict[str, Any], timeout_s: float = MESSAGE_TIMEOUT_S
     ) -> dict[str, Any]:
-        wids = sorted(self._workers)
-        results = await asyncio.gather(
-            *(self.call(w, op, body, timeout_s) for w in wids), return_exceptions=True
+        return await each_worker(
+            sorted(self._workers), lambda w: self.call(w, op, body, timeout_s)
         )
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return dict(zip(wids, results, strict=True))
 
     async def tell_all(self, op: str, body: dict[str, Any]) -> None:
         async def one(wid: str) -> None:
