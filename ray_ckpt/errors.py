@@ -43,6 +43,10 @@ class Reason(StrEnum):
     # A multi-worker participant lost a worker holding restored state
     # between the restore's install and its resume (`ray_ckpt.workers`).
     RESTORED_STATE_LOST = "restored_state_lost"
+    # A control call from a coordinator older than the newest one the
+    # participant has seen (its epoch, `coordination.engine.epoch`), or a
+    # coordinator that found a newer one took over before it published.
+    STALE_COORDINATOR = "stale_coordinator"
 
     @property
     def http_status(self) -> int:
@@ -77,6 +81,7 @@ _HTTP_STATUS: dict[Reason, int] = {
     Reason.MEMBERSHIP_CHANGED: 409,
     Reason.NOT_FRESH: 409,
     Reason.RESTORED_STATE_LOST: 409,
+    Reason.STALE_COORDINATOR: 409,
 }
 
 # Retrying the same call can succeed: the deadline was too short, admission
@@ -221,6 +226,15 @@ class RestoredStateLost(CheckpointError):
     reason = Reason.RESTORED_STATE_LOST
 
 
+class StaleCoordinator(CheckpointError):
+    """A coordinator that is no longer the newest: a participant refuses its
+    control call (its epoch is older than one it has seen), or the
+    coordinator itself found a newer epoch in the GCS before publishing a
+    Gym manifest or `LATEST`.  Never retryable: a newer coordinator owns the Gym."""
+
+    reason = Reason.STALE_COORDINATOR
+
+
 class ParticipantNotFresh(CheckpointError):
     """A restore refused before any participant changed anything: the named
     members have served (or restored) since they started, and a restore
@@ -286,6 +300,7 @@ _BY_REASON: dict[Reason, type[CheckpointError]] = {
         MembershipChanged,
         ParticipantNotFresh,
         RestoredStateLost,
+        StaleCoordinator,
     )
 }
 

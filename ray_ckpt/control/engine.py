@@ -59,9 +59,12 @@ from ray_ckpt.control.wire import (
 )
 from ray_ckpt.errors import (
     CheckpointConflict,
+    CheckpointError,
     InvalidCheckpointState,
     InvalidRequest,
+    Reason,
     ReceiptsOff,
+    StaleCoordinator,
 )
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.reports import MAX_REPORTED_BLOCKERS
@@ -70,6 +73,10 @@ from ray_ckpt.steps.retire_marks import RetiredAttempts
 from ray_ckpt.storage.seam import FileRecordStore, RecordStore
 
 log = logging.getLogger(__name__)
+
+# The refusals that fence someone off (a superseded coordinator, a resumed
+# checkpoint's late call), counted by code in `status()["fenced"]`.
+FENCING_REASONS = frozenset({Reason.STALE_COORDINATOR, Reason.STALE_CHECKPOINT})
 
 
 class ParticipantEngine:
@@ -120,6 +127,13 @@ class ParticipantEngine:
         # each with a engine of its own, shows several (refused at
         # discovery, `ray_ckpt.workers.detect`).
         self.process_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # The newest coordinator epoch a control call carried (None: none
+        # yet).  In memory only: a relaunched process starts without one and
+        # takes the first epoch it is sent; the coordinator's check of its
+        # epoch before publishing keeps a stale one from completing anything.
+        self.coordinator_epoch: int | None = None
+        # Control calls refused as fenced, by code (`FENCING_REASONS`).
+        self.fenced: Counter[str] = Counter()
         participant.bind(self.notify)
 
     # --- plumbing ----------------------------------------------------------
@@ -163,11 +177,41 @@ class ParticipantEngine:
             self.observer.call_done(op, self.clock.now() - start, outcome, self.writes_in_flight)
 
     async def _dispatch(self, op: str, body: bytes | dict[str, Any]) -> dict[str, Any]:
-        receipts = op in RECEIPT_OPERATIONS
-        req = decode_receipt_request(op, body) if receipts else decode_request(op, body)
-        handler = getattr(self, op)
-        reply: dict[str, Any] = await handler(req)
-        return reply
+        try:
+            if op in RECEIPT_OPERATIONS:
+                # Receipts carry no checkpoint and no epoch: never fenced.
+                req: CheckpointRequest | AckRequest | CollectRequest = decode_receipt_request(
+                    op, body
+                )
+            else:
+                req = decode_request(op, body)
+                self.admit_epoch(op, req.coordinator_epoch)
+            handler = getattr(self, op)
+            reply: dict[str, Any] = await handler(req)
+            return reply
+        except CheckpointError as exc:
+            if exc.reason in FENCING_REASONS:
+                self.fenced[exc.code] += 1
+            raise
+
+    def admit_epoch(self, op: str, epoch: int | None) -> None:
+        """The epoch rule: a call carrying an epoch older than the newest one
+        seen is refused (`StaleCoordinator`), before anything else is looked
+        at; an equal or newer one is admitted and becomes the newest; a call
+        without one (NeMo Gym's controller) is admitted as before.
+
+        Checked and raised without an await in between, so no call of an
+        older coordinator starts once a newer one's call has arrived (one
+        already running finishes, as any call the lock orders before)."""
+        if epoch is None:
+            return
+        seen = self.coordinator_epoch
+        if seen is not None and epoch < seen:
+            raise StaleCoordinator(
+                f"{self.kind}/{self.instance}: {op} from coordinator epoch {epoch} refused: "
+                f"epoch {seen} has taken over"
+            )
+        self.coordinator_epoch = epoch
 
     @property
     def writes_in_flight(self) -> int:
@@ -195,6 +239,11 @@ class ParticipantEngine:
             **receipt_ops.status_fields(receipt_ops.holder(self.participant)),
             "report": report_reply(self.participant.report(MAX_REPORTED_BLOCKERS)),
             "process": self.process_id,
+            # The newest coordinator epoch seen (its presence tells a
+            # coordinator that this participant takes epochs) and the calls
+            # refused as fenced, by code.
+            "coordinator_epoch": self.coordinator_epoch,
+            "fenced": dict(self.fenced),
         }
 
     def _retiring_now(self) -> int:

@@ -27,6 +27,9 @@ CheckpointIdStr = Annotated[
     str, msgspec.Meta(min_length=1, max_length=MAX_ID_LENGTH, pattern=ID_PATTERN)
 ]
 PathStr = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+# A coordinator's fencing token (`coordination.engine.epoch`): a non-negative
+# integer, bounded so that JSON carries it exactly (2**53).
+EpochInt = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
 
 
 class CheckpointRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -34,6 +37,10 @@ class CheckpointRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
 
     checkpoint_id: CheckpointIdStr
     deadline_ts: float
+    # The sending coordinator's epoch: refused (`stale_coordinator`) when
+    # older than the newest this participant has seen.  Optional: NeMo Gym's
+    # controller sends none, and a call without one is not fenced by epoch.
+    coordinator_epoch: EpochInt | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.deadline_ts, bool) or not math.isfinite(self.deadline_ts):
