@@ -27,6 +27,7 @@ from coordination.cli.output import (
     periodic_line,
 )
 from coordination.cli.receipts import ack, collect
+from coordination.cli.schema import schema
 from coordination.cli.storage import gc_command, list_command
 from coordination.engine.results import ParticipantStatus
 from ray_ckpt.errors import CheckpointError, InvalidRequest
@@ -58,6 +59,7 @@ main.add_command(forget)
 main.add_command(timeline)
 main.add_command(collect)
 main.add_command(ack)
+main.add_command(schema)
 
 
 @main.command()

@@ -52,6 +52,13 @@ Start = Callable[[FleetConfig], Awaitable[LocalFleet]]
 
 
 @pytest.fixture
+def http(checked_http: aiohttp.ClientSession) -> aiohttp.ClientSession:
+    """Every control reply our participants send here is checked against the
+    published schema (`ray-ckpt schema`)."""
+    return checked_http
+
+
+@pytest.fixture
 async def start() -> AsyncIterator[Start]:
     fleets: list[LocalFleet] = []
 
