@@ -11,7 +11,7 @@ every worker and merges their answers.  Both look alike from here
 
 Neither operation is a checkpoint phase: no checkpoint ID, no fencing,
 allowed in every phase (a capture already taken keeps what it captured; see
-the README on acks after a checkpoint).  A participant without either hook
+docs/guide/training-loop.md on acks after a checkpoint).  A participant without either hook
 answers `ack` with the typed `receipts_off` (409): an acknowledgement of a
 result it never held must not pass silently.  `collect` there answers an
 empty list with `"completion_receipts": false`, so a engine may collect

@@ -1,5 +1,8 @@
-"""Every Python snippet of the README, run as written against the shared Ray
-cluster and a real reference fleet, so the docs cannot drift from the code.
+"""Every Python snippet of the README and of every docs page, run as written
+against the shared Ray cluster and a real reference fleet, so the docs cannot
+drift from the code.  The pages run in order (README.md, then the site's nav:
+`tests/doc_pages.py`), each in a scope of its own with a connected `gym`;
+blocks marked `<!-- snippet: skip (why) -->` are not run.
 
 What a snippet leaves to the reader is supplied, and nothing else changes:
 the reader's own objects (a trainer and a collector actor, the collector's
@@ -12,14 +15,15 @@ loop and a restore of its latest) or a snippet that only restores implies:
 there the test kills every Gym host and launches a fresh fleet, as a user
 would.  `every_s=600` becomes 1 s so the
 periodic loop writes a checkpoint to restore.  The snippets run in the main
-thread (signal handlers can only be installed there)."""
+thread (signal handlers can only be installed there).  `step` is 100 for the
+first snippet and one more for each after it, so no two write the same
+directory."""
 
 from __future__ import annotations
 
 import asyncio
 import pathlib
 import re
-import textwrap
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -31,18 +35,13 @@ import pytest
 from participants.fleet import FleetConfig
 from participants.rollout import make_tasks
 from ray_ckpt.identity import EpisodeId
+from tests.doc_pages import pages, snippets
 from tests.e2e.conftest import E2E
 
 pytestmark = [pytest.mark.ray]
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
-BLOCK = re.compile(r"```python\n(.*?)```", re.S)
 CRASH = re.compile(r"^# After a crash.*$|^\.\.\.$", re.M)
 IN_FLIGHT = [EpisodeId("r0"), EpisodeId("r1")]
-
-
-def snippets() -> list[str]:
-    return [textwrap.dedent(b) for b in BLOCK.findall(README.read_text())]
 
 
 class Collector:
@@ -75,17 +74,19 @@ def localised(code: str, tmp: pathlib.Path, namespace: str) -> str:
     )
 
 
-def run(code: str, scope: dict[str, Any], crash: Callable[[], None]) -> None:
+def run(code: str, name: str, scope: dict[str, Any], crash: Callable[[], None]) -> None:
     """Run a snippet's parts in order, crashing the Gym where it says one happened."""
     parts = CRASH.split(code)
     for i, part in enumerate(parts):
         if i:
             crash()
-        exec(compile(part, "README.md", "exec"), scope)  # the README's own code
+        exec(compile(part, name, "exec"), scope)  # the docs' own code
 
 
-def test_every_readme_snippet_runs(e2e: E2E, tmp_path: pathlib.Path) -> None:
+def test_every_docs_snippet_runs(e2e: E2E, tmp_path: pathlib.Path) -> None:
     import ray
+
+    from coordination import connect
 
     config: FleetConfig = e2e.config(completion_receipts=True)
     asyncio.run(e2e.launch(config))
@@ -105,19 +106,23 @@ def test_every_readme_snippet_runs(e2e: E2E, tmp_path: pathlib.Path) -> None:
         result: dict[str, Any] = reply.json()
         return result
 
-    scope: dict[str, Any] = {
-        "trainer_actor": trainer,
-        "collector_actor": collector,
-        "collector": collector,
-        "collector_in_flight_episodes": lambda: list(IN_FLIGHT),
-        "publish_trainer_checkpoint": published.append,
-        "step": 100,
-        "episode_ids": list(IN_FLIGHT),
-        "config": config,
-        "post_run": post_run,
-        "episode": EpisodeId("readme-r9"),
-        "store": SimpleNamespace(commit=stored.append),
-    }
+    def reader(gym: Any) -> dict[str, Any]:
+        """What a page leaves to its reader, fresh for each page."""
+        return {
+            "gym": gym,
+            "trainer_actor": trainer,
+            "collector_actor": collector,
+            "collector": collector,
+            "collector_in_flight_episodes": lambda: list(IN_FLIGHT),
+            "publish_trainer_checkpoint": published.append,
+            "episode_ids": list(IN_FLIGHT),
+            "config": config,
+            "post_run": post_run,
+            "episode": EpisodeId("readme-r9"),
+            "store": SimpleNamespace(commit=stored.append),
+        }
+
+    scope: dict[str, Any] = {}
 
     def crash() -> None:
         if "start_periodic" in scope["_code"]:
@@ -132,31 +137,42 @@ def test_every_readme_snippet_runs(e2e: E2E, tmp_path: pathlib.Path) -> None:
         e2e.fleets[-1].kill()
         asyncio.run(e2e.launch(config))
 
-    texts = snippets()
-    assert len(texts) >= 5
+    gyms = [connect(namespace=e2e.namespace)]
+    ran: list[str] = []
     try:
-        for index, text in enumerate(texts):
-            code = localised(text, tmp_path, e2e.namespace)
-            scope["_code"] = code
-            if index == 1:
-                scope["step"] = 101  # the asynchronous one writes a checkpoint of its own
-            if code.lstrip().startswith("gym.restore"):
-                crash()  # a snippet that only restores: into fresh processes
-            run(code, scope, crash)
+        for page in pages():
+            runnable = [s for s in snippets(page) if not s.skip]
+            if not runnable:
+                continue
+            scope = reader(gyms[0])
+            for snippet in runnable:
+                code = localised(snippet.code, tmp_path, e2e.namespace)
+                scope["_code"] = code
+                scope["step"] = 100 + len(ran)
+                if code.lstrip().startswith("gym.restore"):
+                    crash()  # a snippet that only restores: into fresh processes
+                run(code, snippet.name, scope, crash)
+                ran.append(snippet.name)
+                if scope["gym"] not in gyms:
+                    gyms.append(scope["gym"])
     finally:
-        gym = scope.get("gym")
-        if gym is not None:
+        for gym in gyms:
             gym.stop_checkpoint_on_signal()
             gym.stop_periodic()
             gym.stop_drain_watch()
             e2e.coordinators.append(gym)
-    # What the snippets promise, briefly: the trainer and collector were paused
-    # and resumed, the reader's checkpoints were published, the async one is
-    # durable, and the periodic loop's latest checkpoint was restored.
-    assert published == [100, 101]
-    assert len(stored) == 1, "the receipts snippet stored its one result once"
+    # What the snippets promise, briefly: the README's own snippet ran first,
+    # the trainer and collector were paused and resumed, every trainer
+    # checkpoint published has its Gym part complete beside it, a result was
+    # handed over by receipt once, and the periodic loop's root holds a
+    # complete checkpoint.
+    assert ran[0].startswith("README.md"), ran
+    assert len(ran) >= 8, ran
+    assert published
+    assert published[0] == 100
+    for step in published:
+        assert (tmp_path / "ckpt" / f"step-{step}" / "gym" / "_manifest.json").exists(), step
+    assert stored, "the receipts snippet stored no result"
+    assert len({repr(r) for r in stored}) == len(stored), "a result was stored twice"
     assert ray.get(trainer.log.remote())[:2] == ["pause", "resume"]
-    assert (tmp_path / "ckpt" / "step-100" / "gym" / "_manifest.json").exists()
-    assert (tmp_path / "ckpt" / "step-101" / "gym" / "_manifest.json").exists()
-    assert scope["done"] is not None
-    assert any(e.complete for e in scope["gym"].list_checkpoints(str(tmp_path / "run-7")))
+    assert any(e.complete for e in gyms[0].list_checkpoints(str(tmp_path / "run-7")))

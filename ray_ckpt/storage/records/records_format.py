@@ -35,7 +35,7 @@ frame it parses and compares the digest made of them.  Files written with
 End to end, in an early run (`python benchmarks/storage.py --sessions 1000
 --kb 350 --json`, whole-file sha256, medians of 3 interleaved runs on a
 shared 2-core VM whose disk timings vary 2-3x between runs; seconds; the
-README's Performance section has the current figures):
+benchmarks/README.md has the current figures):
 
     mix      commit  peer  raw write | restore  peer  raw read+decode
     text      1.27   3.82    1.43    |  1.44    1.50       1.79

@@ -1,38 +1,45 @@
-"""The README's Python snippets against the code, so they cannot drift: each
-parses, its imports import, and every call it makes on the handle (`gym.x(...)`)
-or on a `PendingCheckpoint` names a method that exists and keywords it takes.
-(Without Ray; `tests/e2e/test_readme_runs.py` runs them on the shared cluster.)"""
+"""The README's and every docs page's Python blocks against the code, so they
+cannot drift: each parses, its imports import, and every call it makes on the
+handle (`gym.x(...)`) or on a `PendingCheckpoint` names a method that exists
+and keywords it takes; every `ray-ckpt` command and every script a page names
+exists.  (Without Ray; `tests/e2e/test_readme_runs.py` runs the blocks on the
+shared cluster.  A block marked `<!-- snippet: skip (why) -->` is checked here
+and not run there: see `tests/doc_pages.py`.)"""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import inspect
 import pathlib
 import re
-import textwrap
 
 import pytest
 
 from coordination.client.handle import CoordinatorHandle
 from coordination.client.pending import PendingCheckpoint
+from tests.doc_pages import DOCS, ROOT, Snippet, all_snippets, pages
 
-README = pathlib.Path(__file__).resolve().parents[3] / "README.md"
-BLOCK = re.compile(r"```python\n(.*?)```", re.S)
 RECEIVERS = {"gym": CoordinatorHandle, "pending": PendingCheckpoint}
+# A command line: `ray-ckpt X ...` (an inline span, or a line of a block), a path before it allowed.
+COMMAND = re.compile(r"^[ \t$]*(?:\S*/)?ray-ckpt ([a-z][a-z-]*)", re.M)
+SCRIPT = re.compile(r"\bpython3?\s+((?:examples|benchmarks)/[\w/]+\.py)")
+MODULE = re.compile(r"\bpython3?\s+-m\s+((?:coordination|ray_ckpt|participants)[\w.]*)")
+# Code only: fenced blocks and inline code spans (a span may wrap a line).
+CODE = re.compile(r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```|`([^`]+)`", re.S | re.M)
+SNIPPETS = all_snippets()
 
 
-def snippets() -> list[str]:
-    return [textwrap.dedent(b) for b in BLOCK.findall(README.read_text())]
+def test_the_readme_and_the_docs_have_python_blocks() -> None:
+    assert pages()[0] == ROOT / "README.md"
+    assert sum(s.page == ROOT / "README.md" for s in SNIPPETS) >= 1
+    assert sum(not s.skip for s in SNIPPETS) >= 8
 
 
-def test_the_readme_has_python_snippets() -> None:
-    assert len(snippets()) >= 4
-
-
-@pytest.mark.parametrize("index", range(len(snippets())))
-def test_a_snippet_matches_the_code(index: int) -> None:
-    tree = ast.parse(snippets()[index])
+@pytest.mark.parametrize("snippet", SNIPPETS, ids=[s.name for s in SNIPPETS])
+def test_a_snippet_matches_the_code(snippet: Snippet) -> None:
+    tree = ast.parse(snippet.code)
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:
             module = importlib.import_module(node.module)
@@ -56,14 +63,29 @@ def test_a_snippet_matches_the_code(index: int) -> None:
                 )
 
 
+@pytest.mark.parametrize("page", pages(), ids=[str(p.relative_to(ROOT)) for p in pages()])
+def test_the_commands_and_scripts_a_page_names_exist(page: pathlib.Path) -> None:
+    from coordination.demo.app import main
+
+    text = "\n".join(a or b for a, b in CODE.findall(page.read_text()))
+    commands = set(main.commands)
+    for name in COMMAND.findall(text):
+        assert name in commands, f"ray-ckpt {name} is not a command ({sorted(commands)})"
+    for path in SCRIPT.findall(text):
+        assert (ROOT / path).is_file(), f"{path} does not exist"
+    for module in MODULE.findall(text):
+        assert importlib.util.find_spec(module) is not None, f"python -m {module}"
+
+
 def test_the_settings_block_loads() -> None:
-    """The README's `checkpoint:` YAML is what `settings_from_dict` accepts
-    (an unknown or misspelt key would be refused)."""
+    """The settings page's `checkpoint:` YAML is what `settings_from_dict`
+    accepts (an unknown or misspelt key would be refused)."""
     import yaml
 
     from ray_ckpt.settings import settings_from_dict
 
-    block = re.search(r"### Settings\n\n```yaml\n(.*?)```", README.read_text(), re.S)
+    page = (DOCS / "reference" / "settings.md").read_text()
+    block = re.search(r"```yaml\n(checkpoint:.*?)```", page, re.S)
     assert block is not None
     settings = settings_from_dict(yaml.safe_load(block.group(1)))
     assert settings.enabled
