@@ -25,7 +25,7 @@ import msgspec
 
 from coordination.actor.actor_options import COORDINATOR_NAME
 from coordination.actor.drain_control import DrainControl, DrainStatus, Relauncher
-from coordination.actor.gcs import open_journal
+from coordination.actor.gcs import GcsEpochs, open_journal
 from coordination.actor.periodic_control import PeriodicControl, PeriodicMemory
 from coordination.actor.ray_metrics import ray_sink
 from coordination.actor.registration import (
@@ -81,6 +81,12 @@ def _own_name() -> str:
 
     name = ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None
     return name or COORDINATOR_NAME
+
+
+def _on_ray() -> bool:
+    import ray
+
+    return bool(ray.is_initialized())
 
 
 def _own_id() -> str:
@@ -143,6 +149,13 @@ class Coordinator:
             await self.discover(refresh=refresh)
 
     async def _recover(self) -> str | None:
+        # First of all, before any call to a participant: this incarnation's
+        # epoch, newer than any previous one's, which may still run cut off
+        # (`coordination.engine.epoch`).  Every call after carries it, so
+        # recovery's own resume already fences the old one off.
+        if _on_ray():
+            self.core.epoch = await asyncio.to_thread(GcsEpochs(self.namespace, _own_name()).epoch)
+            log.info("coordinator %s takes epoch %d", _own_name(), self.core.epoch.value)
         for role, scope in (await self.registry.register_again(self.core)).items():
             if role == "assembler":
                 self.scope_source = scope

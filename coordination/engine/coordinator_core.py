@@ -54,6 +54,7 @@ from coordination.engine.calls import (
     new_id,
     reply_timeout,
 )
+from coordination.engine.epoch import CoordinatorEpoch
 from coordination.engine.fanout import Outcome, failure, fan_out
 from coordination.engine.host import Host, PauseTarget
 from coordination.engine.journal import Journal, JournalEntry, JournalStore, encode
@@ -126,6 +127,7 @@ from ray_ckpt.errors import (
     InvalidRequest,
     ParticipantNotFresh,
     RestartInScope,
+    StaleCoordinator,
 )
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage.blobstore.locations import split_location
@@ -296,8 +298,18 @@ class CoordinatorCore:
         directory_guard: DirectoryGuard | None = ready_for_checkpoint,
         pause_mode: str = "full",
         metrics: CoordinatorMetrics | None = None,
+        epoch: CoordinatorEpoch | None = None,
     ) -> None:
         self.clock = clock
+        # This coordinator's fencing token (`coordination.engine.epoch`): sent
+        # with every control call to a participant that takes it, confirmed
+        # before opening and before publishing.  None: no fencing (off Ray).
+        # The actor sets it when it starts or recovers, before any call.
+        self.epoch = epoch
+        # Member key -> the host whose status said it takes epochs (it shows
+        # `coordinator_epoch`); only those are sent one, as NeMo Gym's
+        # participants refuse a body with a field they do not know.
+        self._takes_epoch: dict[str, Host] = {}
         self.journal: JournalStore = journal or Journal(None)
         # The last close's journal clear, still running: the next journal
         # write or read waits for it (`settle_journal`).
@@ -349,6 +361,7 @@ class CoordinatorCore:
             self.timeouts,
             open_id=lambda: self.open.checkpoint_id if self.open is not None else None,
             hosts=lambda: list(self._roster().values()),
+            stamp=self.stamped,
         )
 
     # The pause state lives in `self.pauses`; these keep the engine's old names.
@@ -401,7 +414,7 @@ class CoordinatorCore:
     async def register_checked(self, host: Host) -> Host | None:
         """Register `host` once its status confirms its kind (`KindMismatch`
         otherwise, nothing registered); returns the host it replaced."""
-        await checked(host, self.timeouts.status_s)
+        self._learn_epoch(host, await checked(host, self.timeouts.status_s))
         return self.register(host)
 
     async def discover_http(self, candidates: Sequence[Host]) -> tuple[list[str], list[str]]:
@@ -410,8 +423,9 @@ class CoordinatorCore:
         A 404 on status is "not a participant" (skipped, closed); any other
         failure or a kind mismatch raises `CoordinationFailed` naming each,
         and none is registered."""
+        statuses: dict[str, dict[str, Any]] = {}
         try:
-            found, skipped = await discover_candidates(candidates, self.timeouts.status_s)
+            found, skipped = await discover_candidates(candidates, self.timeouts.status_s, statuses)
         except BaseException:
             for h in candidates:
                 await self.drop_host(h)
@@ -419,8 +433,28 @@ class CoordinatorCore:
         for h in skipped:
             await self.drop_host(h)
         for h in found:
+            self._learn_epoch(h, statuses.get(h.member.key))
             await self.drop_host(self.register(h))
         return sorted(h.member.key for h in found), sorted(h.member.key for h in skipped)
+
+    # --- the epoch (`coordination.engine.epoch`) -------------------------------------
+    def _learn_epoch(self, host: Host, status: Mapping[str, Any] | None) -> None:
+        """Whether `host` takes epochs, from its status at registration."""
+        if status is not None and "coordinator_epoch" in status:
+            self._takes_epoch[host.member.key] = host
+        elif self._takes_epoch.get(host.member.key) is host:
+            del self._takes_epoch[host.member.key]
+
+    def stamped(self, host: Host, body: Mapping[str, Any]) -> Mapping[str, Any]:
+        """`body` as sent to `host`: with this coordinator's epoch if it takes one."""
+        if self.epoch is None or self._takes_epoch.get(host.member.key) is not host:
+            return body
+        return {**body, "coordinator_epoch": self.epoch.value}
+
+    async def confirm_epoch(self, what: str) -> None:
+        """`StaleCoordinator` unless this coordinator's epoch is still the newest."""
+        if self.epoch is not None:
+            await self.epoch.confirm(what)
 
     def _roster(self) -> dict[str, Host]:
         """Who an operation talks to: the open checkpoint's frozen members, or
@@ -522,7 +556,7 @@ class CoordinatorCore:
             self.renewer.raise_floor(deadline_ts)
         timeout = reply_timeout(self.clock, self.timeouts, deadline_ts)
         started, mono = self.clock.now(), time.monotonic()
-        out = await fan_out(self._hosts(group), op, lambda h: body, timeout)
+        out = await fan_out(self._hosts(group), op, lambda h: self.stamped(h, body), timeout)
         self._prune_gone(out)
         cid = str(body.get("checkpoint_id", ""))
         if cid:
@@ -712,6 +746,8 @@ class CoordinatorCore:
         if not self.hosts:
             raise InvalidRequest("no participants are registered")
         await self.pending.settle()
+        # A superseded coordinator pauses nobody (nothing opened yet).
+        await self.confirm_epoch("opening a checkpoint")
         self.baseline.check(self.hosts, trigger)
         if checkpoint_dir is not None:
             await self._guard_directory(checkpoint_dir)
@@ -900,7 +936,11 @@ class CoordinatorCore:
     async def _publish(
         self, cid: str, checkpoint_dir: str, manifests: list[dict[str, Any]]
     ) -> GymManifest | None:
-        """The Gym manifest, last of all: the commit point of the whole checkpoint."""
+        """The Gym manifest, last of all: the commit point of the whole checkpoint.
+
+        Only by the newest coordinator: its epoch is confirmed first, and a
+        stale one raises `StaleCoordinator` (the checkpoint fails, unpublished)."""
+        await self.confirm_epoch(f"the Gym manifest of {cid}")
         publishing = self.clock.now()
         try:
             listed = await asyncio.to_thread(self.manifest_writer, checkpoint_dir, cid, manifests)
@@ -989,6 +1029,13 @@ class CoordinatorCore:
             return
         parent = _parent_of(checkpoint_dir)
         async with self._latest_lock:
+            try:
+                # Complete (its Gym manifest is written), yet not `latest` if
+                # a newer coordinator took over since: the pointer is its.
+                await self.confirm_epoch(f"LATEST naming {checkpoint_id}")
+            except StaleCoordinator as exc:
+                log.warning("checkpoint %s is complete; LATEST not moved: %s", checkpoint_dir, exc)
+                return
             place = self._order.get(checkpoint_id)
             named = self._latest_at.get(parent)
             if named is not None and (place is None or place < named):
@@ -1068,7 +1115,10 @@ class CoordinatorCore:
         confirm = {**body, "deadline_ts": self.clock.now() + deadline_s}
         started = self.clock.now()
         out = await fan_out(
-            hosts, "commit", lambda h: confirm, deadline_s + self.timeouts.reply_grace_s
+            hosts,
+            "commit",
+            lambda h: self.stamped(h, confirm),
+            deadline_s + self.timeouts.reply_grace_s,
         )
         for key, seconds in out.timings.items():
             self.timeline.span(
@@ -1208,7 +1258,7 @@ class CoordinatorCore:
                 continue
             timeout = max(deadline_ts - self.clock.now(), 0.0) + self.timeouts.reply_grace_s
             try:
-                await asyncio.wait_for(host.call("resume", body), timeout)
+                await asyncio.wait_for(host.call("resume", self.stamped(host, body)), timeout)
             except Exception as exc:
                 err = exc if isinstance(exc, CheckpointError) else CheckpointError(repr(exc))
                 out.errors[m.key] = err
@@ -1320,6 +1370,7 @@ class CoordinatorCore:
         """Check everything a restore needs, then open it; nothing changed if refused."""
         if self.open is not None:
             raise CheckpointConflict(f"checkpoint {self.open.checkpoint_id} is open")
+        await self.confirm_epoch("opening a restore")
         # Taken before the manifest read (an await): whoever registers meanwhile
         # is not part of this restore.
         roster = dict(self.hosts)
@@ -1527,6 +1578,7 @@ class CoordinatorCore:
             participants=rows,
             last_checkpoint=self.last_checkpoint,
             now=self.clock.now(),
+            epoch=None if self.epoch is None else self.epoch.value,
         )
 
     async def recover(self) -> str | None:

@@ -66,18 +66,19 @@ async def probe(host: Host, timeout_s: float) -> dict[str, Any] | None:
     return dict(as_mapping(status))
 
 
-async def checked(host: Host, timeout_s: float) -> Host:
-    """`host`, once its status confirms its kind (see `probe`); a 404 is refused
-    as "not a participant", typed."""
+async def checked(host: Host, timeout_s: float) -> dict[str, Any] | None:
+    """`host`'s status, once it confirms its kind (see `probe`; None: not
+    reachable now); a 404 is refused as "not a participant", typed."""
     try:
-        await probe(host, timeout_s)
+        return await probe(host, timeout_s)
     except NotFound as exc:
         raise InvalidRequest(f"{host.member.key} is not a participant: {exc.detail}") from None
-    return host
 
 
 async def discover_candidates(
-    candidates: Sequence[Host], timeout_s: float
+    candidates: Sequence[Host],
+    timeout_s: float,
+    statuses: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[list[Host], list[Host]]:
     """(participants, not participants) among `candidates`, probed at once.
 
@@ -102,6 +103,8 @@ async def discover_candidates(
             failures[key] = failure(ParticipantUnavailable(f"status of {key}: no reply"))
         else:
             found.append(host)
+            if statuses is not None:
+                statuses[key] = res
     if failures:
         raise coordination_failed("discover", "discovery", failures)
     return found, skipped

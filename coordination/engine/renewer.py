@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from coordination.engine.calls import reply_timeout
 from coordination.engine.fanout import fan_out
@@ -34,6 +35,7 @@ class LeaseRenewer:
         *,
         open_id: Callable[[], str | None],
         hosts: Callable[[], list[Host]],
+        stamp: Callable[[Host, Mapping[str, Any]], Mapping[str, Any]] | None = None,
     ) -> None:
         self.clock = clock
         self.timeouts = timeouts
@@ -41,6 +43,8 @@ class LeaseRenewer:
         # registered hosts change while the renewer runs.
         self._open_id = open_id
         self._hosts = hosts
+        # The body as sent to one host (the coordinator's epoch added).
+        self._stamp = stamp or (lambda _h, body: body)
         self._task: asyncio.Task[None] | None = None
         # The latest deadline sent in the open checkpoint: every participant's
         # lease runs at least to it plus its grace, whatever that grace is.
@@ -86,7 +90,7 @@ class LeaseRenewer:
         self.raise_floor(deadline_ts)
         body = {"checkpoint_id": cid, "deadline_ts": deadline_ts}
         timeout = reply_timeout(self.clock, self.timeouts, deadline_ts)
-        out = await fan_out(self._hosts(), "renew", lambda h: body, timeout)
+        out = await fan_out(self._hosts(), "renew", lambda h: self._stamp(h, body), timeout)
         for key, err in out.errors.items():
             log.warning("renew of %s at %s failed: %s", cid, key, err)
         return {k: r.get("lease_expires_at") for k, r in out.replies.items()}

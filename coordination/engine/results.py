@@ -204,3 +204,5 @@ class CoordinatorStatus(msgspec.Struct, frozen=True, kw_only=True):
     periodic: PeriodicStatus | None = None
     last_checkpoint: LastCheckpoint | None = None
     now: float | None = None  # the coordinator's clock when it answered (ages, leases)
+    # This coordinator's epoch (`coordination.engine.epoch`; None: not fenced).
+    epoch: int | None = None

@@ -1,0 +1,157 @@
+"""A superseded coordinator publishes nothing: the engine's epoch checks (no Ray).
+
+A newer incarnation takes a newer epoch (`MemoryEpochs`, as the GCS sequence
+does on Ray) without having reached any participant yet, so only the
+engine's own confirm stands between the old coordinator and a Gym manifest
+or `LATEST`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from coordination.engine.epoch import CoordinatorEpoch, MemoryEpochs
+from coordination.engine.options import CheckpointOptions
+from coordination.engine.order import Member
+from coordination.reach.hosts import FakeHost
+from ray_ckpt import EpisodeId
+from ray_ckpt.errors import StaleCoordinator
+from tests.unit.coordination.coord_fleet import Fleet, make_fleet
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[Fleet]:
+    f = make_fleet(("environment/env", "agent/agent"))
+    # Registered as the actor registers them: status first, which shows the
+    # participant takes epochs.
+    for host in f.hosts.values():
+        await f.core.register_checked(host)
+    yield f
+    await f.aclose()
+
+
+def sent_epochs(f: Fleet, op: str) -> set[Any]:
+    return {
+        body.get("coordinator_epoch") for h in f.hosts.values() for o, body in h.calls if o == op
+    }
+
+
+async def test_every_control_call_carries_the_epoch(fleet: Fleet) -> None:
+    epochs = MemoryEpochs()
+    fleet.core.epoch = epochs.epoch()
+    fleet.parts["environment/env"].start("r1", at_boundary=True, state={"step": 1})
+    await fleet.core.checkpoint("/ck", [EpisodeId("r1")])
+    for op in ("prepare", "commit", "resume"):
+        assert sent_epochs(fleet, op) == {1}
+    assert {c.status()["coordinator_epoch"] for c in fleet.ctrls.values()} == {1}
+    assert (await fleet.core.status()).epoch == 1
+
+
+async def test_superseded_between_prepare_and_commit_never_publishes(fleet: Fleet) -> None:
+    epochs = MemoryEpochs()
+    fleet.core.epoch = epochs.epoch()
+    fleet.latests.append(("/root/earlier", "ckpt-earlier"))  # what LATEST named before
+    fleet.parts["environment/env"].start("r1", at_boundary=True, state={"step": 1})
+    await fleet.core.prepare()
+    epochs.take()  # a restarted coordinator, not yet heard from by anyone
+    with pytest.raises(StaleCoordinator, match="Gym manifest"):
+        await fleet.core.commit("/root/ck-old", [EpisodeId("r1")])
+    assert fleet.manifests == []
+    assert fleet.latests == [("/root/earlier", "ckpt-earlier")]
+    # Failed typed and aborted: nothing left open here or at the participants.
+    assert fleet.core.open is None
+    assert set(fleet.phases().values()) == {"idle"}
+    assert fleet.core.last_checkpoint is None
+
+
+async def test_superseded_coordinator_opens_nothing(fleet: Fleet) -> None:
+    epochs = MemoryEpochs()
+    fleet.core.epoch = epochs.epoch()
+    epochs.take()
+    with pytest.raises(StaleCoordinator, match="opening a checkpoint"):
+        await fleet.core.checkpoint("/root/ck")
+    with pytest.raises(StaleCoordinator):
+        await fleet.core.prepare()
+    with pytest.raises(StaleCoordinator, match="opening a restore"):
+        await fleet.core.restore("/root/ck", [EpisodeId("r1")])
+    assert all(h.calls == [] for h in fleet.hosts.values())  # nobody was paused
+    assert fleet.manifests == []
+
+
+async def test_superseded_after_the_gym_manifest_leaves_latest_alone(fleet: Fleet) -> None:
+    """A newer coordinator starting between the Gym manifest and `LATEST`:
+    the checkpoint is complete, yet never named `latest` by the old one."""
+    epochs = MemoryEpochs()
+    fleet.core.epoch = epochs.epoch()
+    write = fleet.core.manifest_writer
+
+    def writer_then_superseded(d: str, cid: str, ms: list[dict[str, Any]]) -> Any:
+        out = write(d, cid, ms)
+        epochs.take()
+        return out
+
+    fleet.core.manifest_writer = writer_then_superseded
+    fleet.parts["environment/env"].start("r1", at_boundary=True, state={"step": 1})
+    await fleet.core.checkpoint("/root/ck", [EpisodeId("r1")])
+    assert len(fleet.manifests) == 1
+    assert fleet.latests == []
+
+
+async def test_asynchronous_checkpoint_superseded_before_durable_never_publishes(
+    fleet: Fleet,
+) -> None:
+    epochs = MemoryEpochs()
+    fleet.core.epoch = epochs.epoch()
+    fleet.parts["environment/env"].start("r1", at_boundary=True, state={"step": 1})
+    fleet.store.write_gate = gate = threading.Event()
+    result = await fleet.core.checkpoint(
+        CheckpointOptions(checkpoint_dir="/root/ck", scope=[EpisodeId("r1")], durability="async")
+    )
+    assert result.pending
+    epochs.take()
+    gate.set()
+    with pytest.raises(StaleCoordinator):
+        await fleet.core.durable(result.checkpoint_id)
+    assert fleet.manifests == []
+    assert fleet.latests == []
+
+
+async def test_an_unconfirmable_epoch_counts_as_stale(fleet: Fleet) -> None:
+    """A coordinator cut off from the GCS cannot confirm: it publishes nothing."""
+    hang = threading.Event()
+
+    def newest() -> int:
+        hang.wait(5)
+        return 1
+
+    fleet.core.epoch = CoordinatorEpoch(1, newest, timeout_s=0.05)
+    try:
+        with pytest.raises(StaleCoordinator, match="could not be confirmed"):
+            await fleet.core.checkpoint("/root/ck")
+    finally:
+        hang.set()
+    assert all(h.calls == [] for h in fleet.hosts.values())
+
+
+async def test_participant_without_epochs_is_sent_none(fleet: Fleet) -> None:
+    """NeMo Gym's participants refuse unknown body fields: one whose status
+    does not show `coordinator_epoch` never gets it."""
+    fleet.core.epoch = MemoryEpochs().epoch()
+
+    def nemo_like(op: str, body: dict[str, Any]) -> dict[str, Any]:
+        assert "coordinator_epoch" not in body
+        if op == "prepare":
+            return {"phase": "prepared", "report": {"ready": True}}
+        return {"phase": "idle"}
+
+    nemo = FakeHost(Member.parse("resources/nemo"), reply=nemo_like)
+    await fleet.core.register_checked(nemo)
+    await fleet.core.prepare()
+    await fleet.core.resume()
+    assert [op for op, _ in nemo.calls] == ["prepare", "resume"]
+    assert all("coordinator_epoch" not in body for _, body in nemo.calls)
+    assert sent_epochs(fleet, "prepare") == {1}
