@@ -456,6 +456,19 @@ class CoordinatorCore:
         if self.epoch is not None:
             await self.epoch.confirm(what)
 
+    async def _journal_is_ours(self, what: str) -> bool:
+        """Whether this coordinator may still write the journal: the key is
+        shared with the incarnation that superseded it (same name), and its
+        entry is what that one recovers from.  A stale coordinator's entry is
+        dropped, not raised: what it is doing (an abort's resumes, say) goes
+        on, refused by the participants that saw the newer epoch."""
+        try:
+            await self.confirm_epoch("the journal")
+        except StaleCoordinator as exc:
+            log.warning("journal entry of %s not written: %s", what, exc)
+            return False
+        return True
+
     def _roster(self) -> dict[str, Host]:
         """Who an operation talks to: the open checkpoint's frozen members, or
         (nothing open) everyone registered now."""
@@ -505,7 +518,8 @@ class CoordinatorCore:
                     # The write (a GCS call or an fsync, both blocking) runs in
                     # a thread, and the next fan-out waits for it.
                     await self.settle_journal()
-                    await asyncio.to_thread(self.journal.write, encode(oc.entry))
+                    if await self._journal_is_ours(oc.checkpoint_id):
+                        await asyncio.to_thread(self.journal.write, encode(oc.entry))
             elif effect is Effect.START_RENEWER:
                 self.renewer.start(oc.checkpoint_id)
             elif effect is Effect.STOP_RENEWER:
@@ -530,7 +544,8 @@ class CoordinatorCore:
             if previous is not None:
                 with contextlib.suppress(Exception):
                     await previous
-            await asyncio.to_thread(self.journal.clear)
+            if await self._journal_is_ours("the close"):
+                await asyncio.to_thread(self.journal.clear)
 
         self._clearing = asyncio.ensure_future(clear())
 

@@ -14,12 +14,13 @@ from typing import Any
 
 import pytest
 
+from coordination.engine.coordinator_core import CoordinatorCore
 from coordination.engine.epoch import CoordinatorEpoch, MemoryEpochs
 from coordination.engine.options import CheckpointOptions
 from coordination.engine.order import Member
 from coordination.reach.hosts import FakeHost
 from ray_ckpt import EpisodeId
-from ray_ckpt.errors import StaleCoordinator
+from ray_ckpt.errors import CoordinationFailed, StaleCoordinator
 from tests.unit.coordination.coord_fleet import Fleet, make_fleet
 
 
@@ -155,3 +156,41 @@ async def test_participant_without_epochs_is_sent_none(fleet: Fleet) -> None:
     assert [op for op, _ in nemo.calls] == ["prepare", "resume"]
     assert all("coordinator_epoch" not in body for _, body in nemo.calls)
     assert sent_epochs(fleet, "prepare") == {1}
+
+
+async def test_a_superseded_coordinator_never_overwrites_the_newer_ones_journal(
+    fleet: Fleet,
+) -> None:
+    """Both incarnations share one journal key (the actor's name): the old
+    one's entries would make a later recovery abort the wrong checkpoint,
+    and its clear would hide the newer one's open checkpoint."""
+    epochs = MemoryEpochs()
+    old = fleet.core
+    old.epoch = epochs.epoch()
+    await old.prepare()
+    # The restarted coordinator: same journal, same participants, newer epoch.
+    new = CoordinatorCore(
+        journal=old.journal, timeouts=old.timeouts, manifest_writer=old.manifest_writer
+    )
+    new.epoch = epochs.epoch()
+    for key, ctrl in fleet.ctrls.items():
+        await new.register_checked(FakeHost(Member.parse(key), ctrl))
+    assert old.open is not None
+    assert await new.recover() == old.open.checkpoint_id
+    opened = await new.prepare()
+    assert old.journal.load().checkpoint_id == opened.checkpoint_id
+    with pytest.raises(CoordinationFailed) as info:
+        await old.commit("/root/ck-old")
+    assert {f["code"] for f in info.value.failures.values()} == {"stale_coordinator"}
+    assert old.open is None
+    await old.settle_journal()  # its close's clear, if it made one, has landed
+    entry = old.journal.load()
+    assert entry is not None
+    assert entry.checkpoint_id == opened.checkpoint_id
+    await new.commit("/root/ck-new")
+    await new.resume()
+    assert [cid for _, cid, _ in fleet.manifests] == [opened.checkpoint_id]
+    assert {c.status()["fenced"].get("stale_coordinator", 0) > 0 for c in fleet.ctrls.values()} == {
+        True
+    }
+    await new.aclose()
