@@ -66,7 +66,7 @@ from coordination.engine.results import (
     Timeouts,
 )
 from coordination.engine.roots import restore_target, writable
-from coordination.engine.timeline import chrome_trace
+from coordination.engine.timeline import StorageHistory, chrome_trace
 from coordination.triggers.periodic import DEFAULT_PREFIX, AssemblerScope
 from ray_ckpt.errors import InvalidRequest
 from ray_ckpt.identity import EpisodeId
@@ -124,6 +124,8 @@ class Coordinator:
             timeouts=Timeouts(**timeouts) if timeouts else None,
             pause_mode=pause_mode,
             metrics=CoordinatorMetrics(ray_sink()),
+            # Each checkpoint's timeline saved with it, each restore's beside it.
+            history=StorageHistory(),
         )
         # The registered assembler's in-flight episodes (if it names a method):
         # the scope of every checkpoint taken without one.
@@ -370,7 +372,9 @@ class Coordinator:
     async def status(self) -> CoordinatorStatus:
         await self._ready(discover=True)
         st = await self.core.status()
-        return msgspec.structs.replace(st, periodic=self.periodic.status())
+        return msgspec.structs.replace(
+            st, periodic=self.periodic.status(), scope_source=self.scope_source is not None
+        )
 
     async def timeline(self, which: str = "latest") -> dict[str, Any]:
         """A recent checkpoint (or restore) as a Chrome trace (`coordination.engine.timeline`)."""

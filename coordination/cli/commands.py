@@ -26,6 +26,7 @@ from coordination.cli.output import (
     lease_left,
     periodic_line,
 )
+from coordination.cli.grafana import grafana_dashboard
 from coordination.cli.receipts import ack, collect
 from coordination.cli.schema import schema
 from coordination.cli.storage import gc_command, list_command
@@ -60,6 +61,7 @@ main.add_command(timeline)
 main.add_command(collect)
 main.add_command(ack)
 main.add_command(schema)
+main.add_command(grafana_dashboard)
 
 
 @main.command()

@@ -114,9 +114,9 @@ from coordination.engine.roots import (
     write_latest_quietly,
 )
 from coordination.engine.status import participant_rows
-from coordination.engine.timeline import COORDINATOR_ROW, TimelineRecorder
+from coordination.engine.timeline import COORDINATOR_ROW, HistoryStore, TimelineRecorder
 from ray_ckpt import tracing
-from ray_ckpt.clock import SYSTEM_CLOCK, Clock
+from ray_ckpt.clock import SYSTEM_CLOCK, Clock, SystemClock
 from ray_ckpt.errors import (
     CheckpointConflict,
     CheckpointError,
@@ -132,6 +132,8 @@ from ray_ckpt.errors import (
 from ray_ckpt.identity import EpisodeId
 from ray_ckpt.storage.blobstore.locations import split_location
 from ray_ckpt.storage.root.gym_manifest import GymManifest
+from ray_ckpt.storage.root.history import RestartBias, progress_from, restart_bias
+from ray_ckpt.tracing import SpanRecord, SpanSink
 
 log = logging.getLogger(__name__)
 
@@ -298,6 +300,7 @@ class CoordinatorCore:
         directory_guard: DirectoryGuard | None = ready_for_checkpoint,
         pause_mode: str = "full",
         metrics: CoordinatorMetrics | None = None,
+        history: HistoryStore | None = None,
         epoch: CoordinatorEpoch | None = None,
     ) -> None:
         self.clock = clock
@@ -326,6 +329,9 @@ class CoordinatorCore:
         self.directory_guard = directory_guard
         # Off Ray a null sink; the actor passes Ray's (`coordination.engine.metrics`).
         self.metrics = metrics or CoordinatorMetrics()
+        # Where each checkpoint's timeline is saved, beside its Gym manifest,
+        # and each restore's beside its source (None: kept in memory only).
+        self.history = history
         self.hosts: dict[str, Host] = {}
         self.open: OpenCheckpoint | None = None
         # Hosts replaced or unregistered while frozen in an open checkpoint:
@@ -570,22 +576,14 @@ class CoordinatorCore:
         if op in ("prepare", "commit"):
             self.renewer.raise_floor(deadline_ts)
         timeout = reply_timeout(self.clock, self.timeouts, deadline_ts)
-        started, mono = self.clock.now(), time.monotonic()
         out = await fan_out(self._hosts(group), op, lambda h: self.stamped(h, body), timeout)
         self._prune_gone(out)
         cid = str(body.get("checkpoint_id", ""))
         if cid:
-            for key, seconds in out.timings.items():
-                # An answered call's own window; a failed one from the group's start.
-                began, ended = out.windows.get(key, (mono, mono + seconds))
-                self.timeline.span(
-                    cid,
-                    key,
-                    op,
-                    started + began - mono,
-                    started + ended - mono,
-                    ok=key not in out.errors,
-                )
+            spans = self._spans(cid)
+            for key, record in out.spans.items():
+                # The calls' own spans: the traces' and the metrics' timings too.
+                spans(record)
                 reply = out.replies.get(key)
                 if reply is not None:
                     self.timeline.reported(cid, key, reply.get("spans"))
@@ -784,12 +782,9 @@ class CoordinatorCore:
         with oc.current():
             async with self._aborting(oc):
                 await self._open(oc, E.OPEN)
-                pausing = self.clock.now()
-                await self.pauses.pause(cid, self.pauses.prepare_roles(), deadline_s)
-                if self.pauses.targets:
-                    self.timeline.span(
-                        cid, COORDINATOR_ROW, "pause callers", pausing, self.clock.now()
-                    )
+                sink = self._spans(cid) if self.pauses.targets else None
+                with tracing.recorded("pause callers", COORDINATOR_ROW, sink):
+                    await self.pauses.pause(cid, self.pauses.prepare_roles(), deadline_s)
                 body = {"checkpoint_id": cid, "deadline_ts": deadline_ts}
                 timings: dict[str, float] = {}
                 restarts: dict[str, list[str]] = {}
@@ -881,6 +876,7 @@ class CoordinatorCore:
                         "commit", cid, {k: failure(e) for k, e in out.errors.items()}
                     )
                 exported = {k: string_list(r.get("episode_ids")) for k, r in out.replies.items()}
+                self.timeline.note(cid, progress=progress_from(out.replies))
                 continued, restart = split_continued(scope, exported, oc.prepare_restarts)
                 if opts.strict and restart:
                     # Before the Gym manifest: the records written stay unpublished.
@@ -956,13 +952,14 @@ class CoordinatorCore:
         Only by the newest coordinator: its epoch is confirmed first, and a
         stale one raises `StaleCoordinator` (the checkpoint fails, unpublished)."""
         await self.confirm_epoch(f"the Gym manifest of {cid}")
-        publishing = self.clock.now()
         try:
-            listed = await asyncio.to_thread(self.manifest_writer, checkpoint_dir, cid, manifests)
+            with tracing.recorded("publish", COORDINATOR_ROW, self._spans(cid)):
+                listed = await asyncio.to_thread(
+                    self.manifest_writer, checkpoint_dir, cid, manifests
+                )
         except Exception as exc:
             err = exc if isinstance(exc, CheckpointError) else CheckpointError(repr(exc))
             raise coordination_failed("commit", cid, {"gym-manifest": failure(err)}) from None
-        self.timeline.span(cid, COORDINATOR_ROW, "publish", publishing, self.clock.now())
         return listed if isinstance(listed, GymManifest) else None
 
     async def _asked_scope(self, oc: OpenCheckpoint, source: ScopeSource) -> list[EpisodeId]:
@@ -1106,6 +1103,13 @@ class CoordinatorCore:
                 raise
             self._late_writes.pop(checkpoint_dir, None)
             self.metrics.durable_done(done, trigger)
+            last = self.last_checkpoint
+            if last is not None and last.checkpoint_id == cid and last.bytes is None:
+                import msgspec  # status: its size once durable (None until then)
+
+                self.last_checkpoint = msgspec.structs.replace(last, bytes=done.total_bytes)
+            self.timeline.note(cid, bytes=dict(done.bytes), total_bytes=done.total_bytes)
+            await self._save_history(cid, checkpoint_dir)
             log.info(
                 "durable %s: %d participants, %d bytes, %.3fs after the resume",
                 cid,
@@ -1128,17 +1132,15 @@ class CoordinatorCore:
         """Every member's write durable, then the Gym manifest; raises `CoordinationFailed`."""
         start = time.monotonic()
         confirm = {**body, "deadline_ts": self.clock.now() + deadline_s}
-        started = self.clock.now()
         out = await fan_out(
             hosts,
             "commit",
             lambda h: self.stamped(h, confirm),
             deadline_s + self.timeouts.reply_grace_s,
         )
-        for key, seconds in out.timings.items():
-            self.timeline.span(
-                cid, key, "durable", started, started + seconds, ok=key not in out.errors
-            )
+        spans = self._spans(cid)
+        for record in out.spans.values():
+            spans(SpanRecord(record.row, "durable", record.start, record.end, record.ok))
         if out.errors:
             raise coordination_failed("commit", cid, {k: failure(e) for k, e in out.errors.items()})
         manifests = [dict(as_mapping(r.get("manifest"))) for _, r in sorted(out.replies.items())]
@@ -1239,14 +1241,14 @@ class CoordinatorCore:
                 log.exception("resume of %s at %s raised", cid, [m.key for m in group])
                 out = await self._resume_directly(oc, group, body, deadline_ts)
             failures.update({k: failure(e) for k, e in out.errors.items()})
-        unpausing = self.clock.now()
         try:
-            failures.update(await self.pauses.unpause(cid))
+            with tracing.recorded(
+                "resume callers", COORDINATOR_ROW, self._spans(cid) if self.pauses.targets else None
+            ):
+                failures.update(await self.pauses.unpause(cid))
         except Exception as exc:
             log.exception("unpausing the controllers after %s raised", cid)
             failures["controllers"] = failure(CheckpointError(f"unpause raised: {exc!r}"[:500]))
-        if self.pauses.targets:
-            self.timeline.span(cid, COORDINATOR_ROW, "resume callers", unpausing, self.clock.now())
         for key, why in failures.items():
             log.warning("resume of %s at %s failed (its lease will lapse): %s", cid, key, why)
         log.info(
@@ -1299,6 +1301,19 @@ class CoordinatorCore:
             self._record_closed(oc, resumed)
         except Exception:
             log.exception("recording %s raised", oc.checkpoint_id)
+        done = oc.committed
+        if done is not None:
+            self.timeline.note(
+                oc.checkpoint_id,
+                durability="async" if done.pending else "sync",
+                bytes={k: n for k, n in done.bytes.items() if n is not None},
+                total_bytes=done.total_bytes,
+                continued=done.continued,
+                restart=done.restart,
+            )
+        if oc.op == "restore" or (done is not None and not done.pending):
+            # An asynchronous checkpoint's is saved once it is published.
+            await self._save_history(oc.checkpoint_id, oc.checkpoint_dir)
 
     def _record_closed(self, oc: OpenCheckpoint, resumed: ResumeResult | None) -> None:
         """The metrics, the timeline's outcome, the span and
@@ -1340,6 +1355,64 @@ class CoordinatorCore:
         )
         self.timeline.finish(oc.checkpoint_id, outcome="ok", trigger=oc.trigger)
         oc.end_span("ok")
+
+    # --- the timeline saved with the checkpoint ----------------------------------------
+    def _spans(self, cid: str) -> SpanSink:
+        """The sink of `cid`'s span records: its timeline, on this engine's
+        clock (the records are on the wall clock)."""
+
+        def add(record: SpanRecord) -> None:
+            # On the system clock, exactly the records the traces got.
+            if not isinstance(self.clock, SystemClock):
+                record = record.shifted(self.clock.now() - time.time())
+            self.timeline.add(cid, record)
+
+        return add
+
+    async def _save_history(self, cid: str, checkpoint_dir: str | None) -> None:
+        """A complete checkpoint's timeline beside its Gym manifest, or a
+        restore's beside the checkpoint it restored (`history`).  After the
+        operation is over, so it costs the Gym no pause; never raises: the
+        checkpoint is complete without it (`ray_ckpt.storage.root.history`)."""
+        tl = self.timeline.peek(cid)
+        if self.history is None or tl is None or checkpoint_dir is None:
+            return
+        if tl.op == "checkpoint" and tl.outcome != "ok":
+            return
+        tl.checkpoint_dir = checkpoint_dir
+        tl.finished_at = self.clock.now()
+        save = self.history.save_restore if tl.op == "restore" else self.history.save_checkpoint
+        try:
+            await asyncio.to_thread(save, checkpoint_dir, tl)
+        except Exception:
+            log.warning("timeline of %s not saved in %s", cid, checkpoint_dir, exc_info=True)
+
+    async def _restart_bias(
+        self, cid: str, checkpoint_dir: str, episodes: Sequence[EpisodeId], continued: list[str]
+    ) -> RestartBias:
+        """How the restore's episodes fared, by how far each had got: read off
+        the source checkpoint's saved timeline (its scope and each episode's
+        progress); without one, progress and losses are unknown."""
+        source = None
+        if self.history is not None:
+            try:
+                source = await asyncio.to_thread(self.history.read_checkpoint, checkpoint_dir)
+            except Exception:
+                log.warning("no readable timeline in %s", checkpoint_dir, exc_info=True)
+        bias = restart_bias(
+            episodes,
+            continued,
+            None if source is None else [*source.continued, *source.restart],
+            {} if source is None else source.progress,
+        )
+        self.timeline.note(
+            cid,
+            restart_bias=bias,
+            source_checkpoint_id=None if source is None else source.checkpoint_id,
+            continued=continued,
+            restart=[e.capture_key for e in episodes if e.capture_key not in set(continued)],
+        )
+        return bias
 
     # --- restore --------------------------------------------------------------------
     async def restore(
@@ -1472,6 +1545,8 @@ class CoordinatorCore:
             len(installed),
             time.monotonic() - start,
         )
+        continued = [e.capture_key for e in episodes if e.next().capture_key in installed]
+        bias = await self._restart_bias(cid, checkpoint_dir, episodes, continued)
         resume_failures: dict[str, Any] = {}
         if resume:
             resume_failures = dict((await self._resume(oc)).failures)
@@ -1483,9 +1558,10 @@ class CoordinatorCore:
             timings=out.timings,
             restored=restored,
             resumed=resume,
-            continued=[e.capture_key for e in episodes if e.next().capture_key in installed],
+            continued=continued,
             restart=[e.capture_key for e in episodes if e.next().capture_key not in installed],
             resume_failures=resume_failures,
+            restart_bias=bias,
         )
 
     async def _undo_restore(

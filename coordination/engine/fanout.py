@@ -21,6 +21,7 @@ from coordination.engine.replies import (
 )
 from ray_ckpt import tracing
 from ray_ckpt.errors import CheckpointError, DeadlineExceeded, ParticipantUnavailable
+from ray_ckpt.tracing import SpanRecord, SpanSink
 
 
 @dataclass
@@ -28,27 +29,27 @@ class Outcome:
     replies: dict[str, dict[str, Any]] = field(default_factory=dict)
     errors: dict[str, CheckpointError] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
-    # When each answered call ran (time.monotonic), for the timeline.
-    windows: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # Each call's span (epoch seconds, `time.time`): `timings` are their
+    # durations, and the coordinator's timeline keeps them as they are.
+    spans: dict[str, SpanRecord] = field(default_factory=dict)
 
     def merge(self, other: Outcome) -> None:
         self.replies.update(other.replies)
         self.errors.update(other.errors)
         self.timings.update(other.timings)
-        self.windows.update(other.windows)
+        self.spans.update(other.spans)
 
 
-async def _timed(
-    host: Host, op: str, body: Mapping[str, Any]
-) -> tuple[dict[str, Any], float, float]:
-    start = time.monotonic()
+async def _timed(host: Host, op: str, body: Mapping[str, Any], sink: SpanSink) -> dict[str, Any]:
+    """One call inside its span (`tracing.recorded`): the record the sink gets
+    is the trace's span, the timeline's slice and the metrics' timing."""
     attrs = {
         "ray_ckpt.participant": host.member.key,
         "ray_ckpt.checkpoint_id": body.get("checkpoint_id"),
     }
-    with tracing.span(f"ray_ckpt.{op}", attrs):
-        reply = await host.call(op, body)
-    return reply, start, time.monotonic()
+    with tracing.recorded(op, host.member.key, sink, attrs):
+        reply: dict[str, Any] = await host.call(op, body)
+    return reply
 
 
 async def fan_out(
@@ -62,7 +63,12 @@ async def fan_out(
     if not group:
         return out
     start = time.monotonic()
-    tasks = {asyncio.ensure_future(_timed(h, op, body(h))): h for h in group}
+    spans: dict[str, SpanRecord] = {}
+
+    def keep(record: SpanRecord) -> None:
+        spans[record.row] = record
+
+    tasks = {asyncio.ensure_future(_timed(h, op, body(h), keep)): h for h in group}
     try:
         _, pending = await asyncio.wait(tasks, timeout=max(timeout_s, 0.0))
     except asyncio.CancelledError:
@@ -83,9 +89,7 @@ async def fan_out(
             continue
         exc = task.exception()
         if exc is None:
-            reply, began, ended = task.result()
-            out.timings[key] = ended - began
-            out.windows[key] = (began, ended)
+            reply = task.result()
             if isinstance(reply, Mapping):
                 out.replies[key] = dict(reply)
             else:
@@ -100,6 +104,13 @@ async def fan_out(
         else:
             out.errors[key] = ParticipantUnavailable(f"{op} to {key} failed: {exc!r}"[:500])
             out.timings[key] = time.monotonic() - start
+    for key, record in spans.items():
+        # A failed call's span says so, whatever the reply looked like.
+        failed = key in out.errors
+        out.spans[key] = SpanRecord(
+            record.row, record.name, record.start, record.end, record.ok and not failed
+        )
+        out.timings[key] = record.seconds
     return out
 
 

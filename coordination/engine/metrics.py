@@ -80,6 +80,15 @@ DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Episodes of a scope no participant held state for (start over)",
         ("phase",),
     ),
+    # The restart bias of each restore: its episodes by outcome
+    # (continued | restarted | lost) and by how far each had got (`bucket`:
+    # steps done, `ray_ckpt.storage.root.history.BUCKETS`); scraped as the
+    # family `ray_ckpt_restore_episodes`.
+    "restore_episodes": (
+        "counter",
+        "Episodes of restores by outcome and by steps done before the checkpoint",
+        ("outcome", "bucket"),
+    ),
     "failures_total": (
         "counter",
         "Failed operations by phase and error code (one per failing participant)",
@@ -169,6 +178,14 @@ class CoordinatorMetrics:
         self.sink.record("restore_seconds", result.total_s, {"outcome": "ok"})
         self.sink.record("episodes_continued_total", len(result.continued), {"phase": "restore"})
         self.sink.record("episodes_restarted_total", len(result.restart), {"phase": "restore"})
+        if result.restart_bias is not None:
+            for row in result.restart_bias.rows:
+                for outcome in ("continued", "restarted", "lost"):
+                    self.sink.record(
+                        "restore_episodes",
+                        getattr(row, outcome),
+                        {"outcome": outcome, "bucket": row.bucket},
+                    )
 
     def restore_failed(self, err: BaseException, seconds: float) -> None:
         self.sink.record("restore_seconds", seconds, {"outcome": "failed"})

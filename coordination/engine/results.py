@@ -7,6 +7,8 @@ from typing import Any
 
 import msgspec
 
+from ray_ckpt.storage.root.history import RestartBias
+
 
 class Timeouts(msgspec.Struct, frozen=True, kw_only=True):
     """Phase deadlines (seconds from the start of the call) and the renew cadence."""
@@ -123,6 +125,9 @@ class RestoreResult(msgspec.Struct, frozen=True, kw_only=True):
     # Participants the resume after the restore did not reach (their lease
     # lapses and they resume by themselves, keeping what they installed).
     resume_failures: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
+    # How many episodes continued, restarted or were lost, by how far each
+    # had got (`ray_ckpt.storage.root.history.RestartBias`).
+    restart_bias: RestartBias | None = None
 
 
 class RetireResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -159,6 +164,10 @@ class ParticipantStatus(msgspec.Struct, frozen=True, kw_only=True):
     # a participant that does not say).
     unacknowledged_results: int | None = None
     unacknowledged_bytes: int | None = None
+    # The capture keys in flight (capped; None: a participant that does not
+    # say), and whether its export needs a named scope.
+    live_keys: list[str] | None = None
+    needs_scope: bool = False
 
 
 class PeriodicStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -204,5 +213,8 @@ class CoordinatorStatus(msgspec.Struct, frozen=True, kw_only=True):
     periodic: PeriodicStatus | None = None
     last_checkpoint: LastCheckpoint | None = None
     now: float | None = None  # the coordinator's clock when it answered (ages, leases)
+    # An assembler's scope method is registered: a checkpoint without a scope
+    # continues its in-flight episodes.
+    scope_source: bool = False
     # This coordinator's epoch (`coordination.engine.epoch`; None: not fenced).
     epoch: int | None = None

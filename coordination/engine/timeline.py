@@ -1,47 +1,80 @@
-"""A picture of each recent checkpoint: who did what when, as a Chrome trace.
+"""A picture of each checkpoint: who did what when, kept and saved with it.
 
-The coordinator notes a span for every call of every phase (one row per
-participant), its own steps (pausing the callers, publishing the Gym
-manifest) on a `coordinator` row, and the slices a participant reports with
-its commit reply (capture, write, release).  `chrome_trace` writes one
-checkpoint in the Trace Event Format that `chrome://tracing` and Perfetto
-open, the convention `ray timeline` follows.
+The coordinator's phase calls are spans (`ray_ckpt.tracing.recorded`): each
+ends as a `SpanRecord` that is at once the OpenTelemetry span, the call's
+timing the metrics observe and a slice here — one row per participant, the
+coordinator's own steps (pausing the callers, publishing the Gym manifest)
+on a `coordinator` row, and the slices a participant reports with its commit
+reply (capture, write, release).  `chrome_trace` writes one in the Trace
+Event Format that `chrome://tracing` and Perfetto open, the convention `ray
+timeline` follows.
 
 Times are the coordinator's clock (epoch seconds); a participant's own
 slices are in its clock, so across nodes they are as close as the clocks are.
-Only the last `KEEP` operations are kept, in memory: the coordinator is the
-one process that sees every phase, and a timeline is for looking at, not a
-record that must survive it.
+The last `KEEP` are kept in memory (`ray-ckpt timeline CHECKPOINT_ID`); each
+complete checkpoint's is also saved beside its Gym manifest, and each
+restore's beside the checkpoint it restored (`HistoryStore`,
+`ray_ckpt.storage.root.history`), so it outlives the coordinator.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from typing import Any
-
-import msgspec
+from typing import Any, Protocol
 
 from ray_ckpt.errors import InvalidRequest
+from ray_ckpt.storage.root.history import Timeline
+from ray_ckpt.tracing import SpanRecord
+
+log = logging.getLogger(__name__)
 
 KEEP = 16
 COORDINATOR_ROW = "coordinator"
+Span = SpanRecord  # one slice of a timeline
+
+__all__ = [
+    "COORDINATOR_ROW",
+    "KEEP",
+    "HistoryStore",
+    "Span",
+    "StorageHistory",
+    "Timeline",
+    "TimelineRecorder",
+    "chrome_trace",
+    "row_order",
+]
 
 
-class Span(msgspec.Struct, frozen=True):
-    row: str  # "coordinator" or a participant key `<kind>/<name>`
-    name: str  # prepare, commit, capture, write, publish, ...
-    start: float
-    end: float
-    ok: bool = True
+class HistoryStore(Protocol):
+    """Where timelines are saved and read back (the coordinator's only touch
+    with `ray_ckpt.storage.root.history`; unit tests pass a memory one)."""
+
+    def save_checkpoint(self, checkpoint_dir: str, tl: Timeline) -> None: ...
+
+    def save_restore(self, checkpoint_dir: str, tl: Timeline) -> None: ...
+
+    def read_checkpoint(self, checkpoint_dir: str) -> Timeline | None: ...
 
 
-class Timeline(msgspec.Struct, kw_only=True):
-    checkpoint_id: str
-    op: str  # checkpoint | restore
-    trigger: str = "manual"
-    outcome: str = "open"  # open | ok | failed | aborted (called off before a commit)
-    spans: list[Span] = msgspec.field(default_factory=list)
+class StorageHistory:
+    """Timelines in the checkpoint's own location (a directory or a bucket)."""
+
+    def save_checkpoint(self, checkpoint_dir: str, tl: Timeline) -> None:
+        from ray_ckpt.storage.root.history import save_timeline
+
+        save_timeline(checkpoint_dir, tl)
+
+    def save_restore(self, checkpoint_dir: str, tl: Timeline) -> None:
+        from ray_ckpt.storage.root.history import save_restore
+
+        save_restore(checkpoint_dir, tl)
+
+    def read_checkpoint(self, checkpoint_dir: str) -> Timeline | None:
+        from ray_ckpt.storage.root.history import read_timeline
+
+        return read_timeline(checkpoint_dir)
 
 
 class TimelineRecorder:
@@ -58,10 +91,27 @@ class TimelineRecorder:
                 self._timelines.popitem(last=False)
         return tl
 
+    def add(self, cid: str, record: SpanRecord) -> None:
+        """One finished span of operation `cid` (a `tracing.recorded` sink)."""
+        tl = self._of(cid)
+        tl.spans.append(record)
+        if tl.started_at is None or record.start < tl.started_at:
+            tl.started_at = record.start
+
+    def sink(self, cid: str) -> Any:
+        """The `tracing.SpanSink` that adds to `cid`."""
+        return lambda record: self.add(cid, record)
+
     def span(
         self, cid: str, row: str, name: str, start: float, end: float, *, ok: bool = True
     ) -> None:
-        self._of(cid).spans.append(Span(row, name, start, max(end, start), ok))
+        self.add(cid, SpanRecord(row, name, start, max(end, start), ok))
+
+    def note(self, cid: str, **fields: Any) -> None:
+        """Set fields of `cid`'s timeline (trigger, bytes, the restart bias, ...)."""
+        tl = self._of(cid)
+        for name, value in fields.items():
+            setattr(tl, name, value)
 
     def reported(self, cid: str, row: str, spans: object) -> None:
         """A participant's own slices from its reply; anything malformed is skipped
@@ -81,12 +131,20 @@ class TimelineRecorder:
             ):
                 self.span(cid, row, name, float(start), float(end))
 
-    def finish(self, cid: str, *, outcome: str, trigger: str | None = None) -> None:
+    def finish(
+        self, cid: str, *, outcome: str, trigger: str | None = None, at: float | None = None
+    ) -> Timeline | None:
         tl = self._timelines.get(cid)
         if tl is not None:
             tl.outcome = outcome
             if trigger is not None:
                 tl.trigger = trigger
+            if at is not None:
+                tl.finished_at = at
+        return tl
+
+    def peek(self, cid: str) -> Timeline | None:
+        return self._timelines.get(cid)
 
     def newest(self, op: str) -> str | None:
         """The ID of the newest kept timeline of `op` (checkpoint or restore)."""
@@ -106,7 +164,8 @@ class TimelineRecorder:
         if found is None:
             raise InvalidRequest(
                 f"no timeline of {which!r}: the coordinator keeps the last {self._keep} "
-                f"({', '.join(self._timelines) or 'none yet'})"
+                f"({', '.join(self._timelines) or 'none yet'}); a complete checkpoint's "
+                "is saved with it: `ray-ckpt timeline DIR`"
             )
         return found
 
@@ -168,5 +227,10 @@ def chrome_trace(tl: Timeline) -> dict[str, Any]:
             "trigger": tl.trigger,
             "outcome": tl.outcome,
             "start_epoch_s": t0,
+            "durability": tl.durability,
+            "checkpoint_dir": tl.checkpoint_dir,
+            "total_bytes": tl.total_bytes,
+            "source_checkpoint_id": tl.source_checkpoint_id,
+            "restart_bias": None if tl.restart_bias is None else tl.restart_bias.as_table(),
         },
     }

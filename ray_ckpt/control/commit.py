@@ -26,6 +26,7 @@ from typing import Any
 from ray_ckpt.clock import Clock
 from ray_ckpt.control.capture import Audited, capture
 from ray_ckpt.control.phase_machine import Phase
+from ray_ckpt.control.progress import progress_of
 from ray_ckpt.control.protocol import Participant
 from ray_ckpt.control.timing import within
 from ray_ckpt.control.wire import CommitRequest, to_builtins
@@ -244,7 +245,14 @@ def exported_keys(records: list[Record]) -> dict[str, Any]:
     finished results it carries (completion receipts; only when some)."""
     episodes = sorted(r.key for r in records if not is_result_key(r.key))
     results = len(records) - len(episodes)
-    return {"episode_ids": episodes, **({"results": results} if results else {})}
+    # How far each had got, where its record says (`progress`): the restart
+    # bias of a restore from this checkpoint is counted from it.
+    progress = progress_of(records)
+    return {
+        "episode_ids": episodes,
+        **({"results": results} if results else {}),
+        **({"progress": progress} if progress else {}),
+    }
 
 
 @contextlib.contextmanager
