@@ -17,6 +17,7 @@ from typing import Any
 import click
 import msgspec
 
+from coordination.cli.grafana import grafana_dashboard
 from coordination.cli.ops import connect_cli, forget, resume, timeline
 from coordination.cli.output import (
     cluster_options,
@@ -26,8 +27,8 @@ from coordination.cli.output import (
     lease_left,
     periodic_line,
 )
-from coordination.cli.grafana import grafana_dashboard
 from coordination.cli.receipts import ack, collect
+from coordination.cli.report import bias_lines, report_command
 from coordination.cli.schema import schema
 from coordination.cli.storage import gc_command, list_command
 from coordination.engine.results import ParticipantStatus
@@ -58,6 +59,7 @@ main.add_command(gc_command)
 main.add_command(resume)
 main.add_command(forget)
 main.add_command(timeline)
+main.add_command(report_command)
 main.add_command(collect)
 main.add_command(ack)
 main.add_command(schema)
@@ -252,6 +254,8 @@ def restore(
         f"({res.checkpoint_dir}) in {res.total_s:.3f}s;"
         f" {len(res.continued)} episodes continue, {len(res.restart)} start over"
     )
+    for line in bias_lines(res.restart_bias):
+        click.echo(line)
     for who, why in sorted(res.resume_failures.items()):
         click.echo(f"  not resumed (its lease will lapse): {who}: {why.get('detail')}", err=True)
 

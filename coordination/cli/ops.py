@@ -62,21 +62,29 @@ def forget(rollouts: tuple[str, ...], address: str, namespace: str, as_json: boo
 
 
 @click.command()
-@click.argument("which", default="latest", metavar="[CHECKPOINT_ID|latest]")
+@click.argument("which", default="latest", metavar="[CHECKPOINT_ID|latest|DIR]")
 @click.option(
     "-o",
     "--output",
     "output",
-    required=True,
     type=click.Path(dir_okay=False),
-    help="File to write.",
+    help="File to write (the Chrome trace; needed for a checkpoint ID).",
 )
 @cluster_options
-def timeline(which: str, output: str, address: str, namespace: str, as_json: bool) -> None:
-    """Write a recent checkpoint as a Chrome trace / Perfetto JSON (one row per participant)."""
+def timeline(which: str, output: str | None, address: str, namespace: str, as_json: bool) -> None:
+    """A checkpoint's timeline: of DIR, read from its storage (saved beside its
+    Gym manifest, with its restores; no Ray needed), or of a recent one by ID
+    from the coordinator; -o writes it as a Chrome trace / Perfetto JSON."""
     import json
     import pathlib
 
+    from coordination.cli.report import is_location, stored_timeline
+
+    if is_location(which):
+        stored_timeline(which, output, as_json)
+        return
+    if output is None:
+        raise click.UsageError("give -o FILE for the Chrome trace of a checkpoint ID")
     try:
         trace = connect_cli(address, namespace).timeline(which)
     except CheckpointError as exc:
