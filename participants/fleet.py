@@ -149,6 +149,7 @@ async def launch_fleet(
     *,
     start_timeout_s: float = 60.0,
     placement: Mapping[str, str] | None = None,
+    listen: Mapping[str, str] | None = None,
 ) -> Fleet:
     """Start the four hosts and wait until each serves.
 
@@ -156,6 +157,9 @@ async def launch_fleet(
     it does not name runs on the caller's node.  Hosts are pinned hard (no
     soft fallback): a host must come back where its callers expect it, and
     a relaunch after a node loss names the surviving node explicitly.
+    `listen` names the address a kind's server binds (default 127.0.0.1):
+    where nodes are separate hosts, the node's own address, so that callers
+    on other nodes (the coordinator, the other servers) reach it.
     """
     if not config.namespace:
         raise ValueError("a fleet needs an explicit Ray namespace")
@@ -176,6 +180,7 @@ async def launch_fleet(
                 settings=settings,
                 workers=config.workers,
                 spreading="rollout",
+                host=dict(listen or {}).get(kind, "127.0.0.1"),
             )
             fleet.hosts[kind] = await _start(spec, config.namespace, placement.get(kind))
             info = await asyncio.wait_for(fleet.hosts[kind].ready.remote(), start_timeout_s)

@@ -71,13 +71,28 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "multinode: runs on the multi-node cluster (tests/multinode), after the rest"
     )
+    config.addinivalue_line(
+        "markers", "partitions: Ray nodes in network namespaces (tests/partitions), last of all"
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # A driver attaches to one Ray cluster at a time: everything on the shared
     # single-node Ray runs first, then the multi-node cluster replaces it.
+    # The partition suite comes after both (its cluster runs in namespaces).
     multinode = os.sep + "multinode" + os.sep
+    partitions = os.sep + "partitions" + os.sep
     for item in items:
         if multinode in str(item.path):
             item.add_marker(pytest.mark.multinode)
-    items.sort(key=lambda item: item.get_closest_marker("multinode") is not None)
+        if partitions in str(item.path):
+            item.add_marker(pytest.mark.partitions)
+    items.sort(
+        key=lambda item: (
+            2
+            if item.get_closest_marker("partitions")
+            else 1
+            if item.get_closest_marker("multinode")
+            else 0
+        )
+    )

@@ -76,7 +76,9 @@ def _schedulable(node_id: str) -> None:
     assert ray.get(task.remote(), timeout=60) == node_id
 
 
-@pytest.fixture(scope="session")
+# Package scope: the cluster stops when the multi-node tests are done, before
+# the partition suite (tests/partitions) starts its own nodes.
+@pytest.fixture(scope="package")
 def nodes() -> Iterator[Nodes]:
     import ray
     from ray.cluster_utils import Cluster

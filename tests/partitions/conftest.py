@@ -1,0 +1,169 @@
+"""Real network partitions between real Ray nodes on this machine.
+
+The suite runs last (`tests/conftest.py` orders it after the multi-node
+suite, whose cluster is shut down by then).  It needs root, `ip` (iproute2)
+and `nft` (nftables): a machine without them FAILS the suite with a message
+(`.ci/run` installs nftables); nothing is skipped silently.
+
+`cluster` (package scope): the test bed of `netbed.py` with a head `a` (GCS)
+and two workers `b` and `c`, each `ray start`ed in its own namespace with a
+`node_<name>` resource (workers also `worker_node`).  `drive(scenario)` runs
+`tests/partitions/driver.py` inside the head's namespace, applies the faults
+it asks for and returns its summary; a node Ray declared dead is started
+anew before the next scenario.  Every namespace, veth and process is removed
+when the package ends, on failure too, and leftovers of a killed run are
+removed when the next one starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.partitions import netbed
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER_RESOURCES = {"worker_node": 1.0}
+DRIVER_TIMEOUT_S = 240.0
+
+
+@dataclass
+class Cluster:
+    bed: netbed.Bed
+    dead: set[str] = field(default_factory=set)  # nodes Ray declared dead (to restart)
+
+    def ensure_nodes(self) -> None:
+        for node in sorted(self.dead):
+            self.bed.restart_node(node)
+        self.dead.clear()
+
+    def drive(self, scenario: str, root: str, **args: Any) -> dict[str, Any]:
+        """Run one scenario's driver in the head's namespace; its summary."""
+        self.ensure_nodes()
+        payload = {"gcs": self.bed.gcs, "ip": self.bed.nodes["a"].ip, "root": root, **args}
+        env = self.bed.env({"PYTHONPATH": str(REPO)})
+        proc = self.bed.popen(
+            "a",
+            [sys.executable, "-m", "tests.partitions.driver", scenario, json.dumps(payload)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(Path(root).parent / "driver.err", "w"),  # noqa: SIM115
+            cwd=str(REPO),
+            env=env,
+        )
+        assert proc.stdin is not None
+        assert proc.stdout is not None
+        deadline = time.monotonic() + DRIVER_TIMEOUT_S
+        summary: dict[str, Any] | None = None
+        try:
+            for line in proc.stdout:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"{scenario}: the driver ran past {DRIVER_TIMEOUT_S}s")
+                if not line.startswith("@@"):
+                    continue
+                msg = json.loads(line[2:])
+                if "summary" in msg:
+                    summary = msg["summary"]
+                    continue
+                if "error" in msg:
+                    err = (Path(root).parent / "driver.err").read_text()[-4000:]
+                    raise AssertionError(f"{scenario} failed: {msg}\n{err}")
+                answer = self.fault(msg)
+                proc.stdin.write(json.dumps(answer) + "\n")
+                proc.stdin.flush()
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            self.bed.heal_all()
+        if summary is None:
+            err = (Path(root).parent / "driver.err").read_text()[-4000:]
+            raise AssertionError(f"{scenario}: no summary (exit {proc.returncode})\n{err}")
+        summary["faults"] = list(self.bed.log)
+        self.bed.log.clear()
+        # Kept beside the root: what a failed assertion abbreviates is all here.
+        (Path(root).parent / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
+    def fault(self, msg: dict[str, Any]) -> dict[str, Any]:
+        node = msg["node"]
+        what = msg["fault"]
+        if what == "cut":
+            self.bed.cut(node)
+            self.dead.add(node)  # a cut long enough for Ray to notice ends the node
+        elif what == "lossy":
+            self.bed.lossy(node, int(msg["percent"]))
+        elif what == "one_way":
+            self.bed.one_way(node)
+        elif what == "heal":
+            self.bed.heal(node)
+        elif what == "wait_gone":
+            return {"ok": True, **self.wait_gone(node)}
+        else:
+            return {"ok": False, "error": f"unknown fault {what!r}"}
+        return {"ok": True}
+
+    def wait_gone(self, node: str, timeout_s: float = 60.0) -> dict[str, Any]:
+        """After the heal, a node Ray declared dead ends its processes (its
+        raylet is told it is dead); how long that took."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            left = [c for c in map(_cmdline, self.bed.processes(node)) if not _tailer(c)]
+            if not left:
+                return {"gone": True, "after_s": round(time.monotonic() - t0, 2)}
+            time.sleep(0.2)
+        return {"gone": False, "left": left}
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+    except OSError:
+        return f"{pid} (gone)"
+
+
+def _tailer(cmdline: str) -> bool:
+    """Ray's log monitor outlives its raylet; it only copies log files."""
+    return "ray/_private/log_monitor.py" in cmdline
+
+
+def _ray_bin() -> str:
+    return str(Path(sys.executable).with_name("ray"))
+
+
+@pytest.fixture(scope="package")
+def cluster() -> Iterator[Cluster]:
+    missing = netbed.capabilities()
+    if missing:
+        pytest.fail(
+            "the partition suite needs: " + "; ".join(missing) + " (.ci/run installs nftables)",
+            pytrace=False,
+        )
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()  # the suite's shared Ray: every test that needed it has run
+    with netbed.bed(_ray_bin()) as bed:
+        bed.start_node("a", cpus=2, resources={"node_a": 1.0})
+        for node in ("b", "c"):
+            bed.start_node(node, cpus=2, resources={f"node_{node}": 1.0, **WORKER_RESOURCES})
+        yield Cluster(bed)
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> str:
+    """The checkpoint root: the same file system every namespace sees."""
+    path = tmp_path / "root"
+    path.mkdir()
+    os.chmod(tmp_path, 0o755)
+    return str(path)
