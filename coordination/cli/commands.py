@@ -20,9 +20,14 @@ import msgspec
 from coordination.cli.grafana import grafana_dashboard
 from coordination.cli.ops import connect_cli, forget, resume, timeline
 from coordination.cli.output import (
+    CliError,
+    ExitCode,
+    RayCkptGroup,
     cluster_options,
     emit,
     fail,
+    format_bytes,
+    json_option,
     last_checkpoint_line,
     lease_left,
     periodic_line,
@@ -30,7 +35,7 @@ from coordination.cli.output import (
 from coordination.cli.receipts import ack, collect
 from coordination.cli.report import bias_lines, report_command
 from coordination.cli.schema import schema
-from coordination.cli.storage import gc_command, list_command
+from coordination.cli.storage import expect_checkpoint, expect_root, gc_command, list_command
 from coordination.engine.results import ParticipantStatus
 from ray_ckpt.errors import CheckpointError, InvalidRequest
 
@@ -42,16 +47,40 @@ def _connect(address: str, namespace: str) -> Any:
 def _location(directory: str) -> None:
     """Refuse a relative path or an unknown scheme here, before attaching to
     Ray; whether the location can be reached is checked by the coordinator,
-    where the checkpoint runs, before it pauses anyone."""
+    where the checkpoint runs, before it pauses anyone.  A local root of
+    checkpoints is refused too (a store is not listed: that costs a round trip
+    the coordinator's own check makes anyway)."""
     from ray_ckpt.storage.blobstore.locations import open_location
 
     open_location(directory)
+    if _is_local(directory):
+        expect_checkpoint(directory, must_exist=False)
 
 
-@click.group()
+def _is_local(directory: str) -> bool:
+    return "://" not in directory or directory.startswith("file://")
+
+
+def _remember_debug(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
+    ctx.meta["ray_ckpt.debug"] = value
+    return value
+
+
+@click.group(cls=RayCkptGroup)
 @click.version_option(package_name="ray-ckpt", prog_name="ray-ckpt")
+@click.option(
+    "--debug",
+    is_flag=True,
+    expose_value=False,
+    callback=_remember_debug,
+    help="On an error, print the traceback (and Python warnings) too.",
+)
 def main() -> None:
-    """Checkpoint and restore Gym servers on Ray."""
+    """Checkpoint and restore Gym servers on Ray.
+
+    Every error is one line on stderr; exit codes: 0 ok, 1 failed (e.g. an
+    invalid checkpoint), 2 bad input, 3 not found, 4 conflict, 5 unavailable
+    (docs/operations/cli.md)."""
 
 
 main.add_command(list_command)
@@ -70,12 +99,14 @@ main.add_command(grafana_dashboard)
 @cluster_options
 def status(address: str, namespace: str, as_json: bool) -> None:
     """Participants (kind, phase, checkpoint, lease, live episodes, writes in flight,
-    blockers) and the coordinator's last checkpoint."""
+    blockers) and the coordinator's last checkpoint.  Creates nothing: with no
+    coordinator in the namespace it says so (exit 3)."""
     from rich.console import Console
     from rich.table import Table
 
     try:
-        st = _connect(address, namespace).status()
+        # Only find the coordinator: looking must not create one.
+        st = connect_cli(address, namespace, create=False).status()
     except CheckpointError as exc:
         fail(exc, as_json)
     if as_json:
@@ -88,8 +119,9 @@ def status(address: str, namespace: str, as_json: bool) -> None:
     )
     table = Table(title=title)
     table.add_column("participant", no_wrap=True)
-    for col in ("kind", "phase", "checkpoint", "lease left", "live", "writes", "blockers"):
+    for col in ("kind", "phase", "checkpoint", "lease left", "live", "in flight", "writes"):
         table.add_column(col)
+    table.add_column("blockers")
     now = st.now if st.now is not None else time.time()
     for p in st.participants:
         blockers = ", ".join(_blocker_cell(p)[:5]) + (" …" if p.blocker_count > 5 else "")
@@ -100,6 +132,7 @@ def status(address: str, namespace: str, as_json: bool) -> None:
             p.checkpoint_id or "-",
             lease_left(p.lease_expires_at, now),
             "-" if p.live_executions is None else str(p.live_executions),
+            _keys_cell(p.live_keys),
             "-" if p.writes_in_flight is None else str(p.writes_in_flight),
             blockers or "-",
         )
@@ -107,6 +140,14 @@ def status(address: str, namespace: str, as_json: bool) -> None:
     click.echo(last_checkpoint_line(st.last_checkpoint, now))
     if st.periodic is not None:
         click.echo(periodic_line(st.periodic))
+
+
+def _keys_cell(keys: list[str] | None, shown: int = 6) -> str:
+    """The capture keys in flight ("?": a participant that does not say)."""
+    if keys is None:
+        return "?"
+    more = f" +{len(keys) - shown}" if len(keys) > shown else ""
+    return (", ".join(keys[:shown]) + more) or "-"
 
 
 def _blocker_cell(p: ParticipantStatus) -> list[str]:
@@ -155,6 +196,8 @@ def checkpoint(
     try:
         _location(directory)
         gym = _connect(address, namespace)
+        if not scope:
+            _scope_or_refuse(gym)
         if asynchronous:
             _checkpoint_async(gym, directory, list(scope) or None, strict, as_json)
             return
@@ -168,9 +211,29 @@ def checkpoint(
         return
     click.echo(
         f"checkpoint {res.checkpoint_id} → {res.checkpoint_dir}: {len(res.timings)} participants, "
-        f"{res.total_bytes} bytes, {res.total_s:.3f}s (prepare {res.prepare_s:.3f}s, "
+        f"{format_bytes(res.total_bytes)}, {res.total_s:.3f}s (prepare {res.prepare_s:.3f}s, "
         f"commit {res.commit_s:.3f}s); {len(res.continued)} episodes continue, "
         f"{len(res.restart)} start over" + (f" ({', '.join(res.restart)})" if res.restart else "")
+    )
+
+
+def _scope_or_refuse(gym: Any) -> None:
+    """No --scope: fine when the assembler's scope method names it, or when
+    every participant exports all it holds; else refused here, before anyone
+    is paused, listing the capture keys in flight to pass as --scope."""
+    st = gym.status()
+    needing = [p.participant for p in st.participants if p.needs_scope]
+    if st.scope_source or not needing:
+        return
+    keys = sorted({k for p in st.participants for k in p.live_keys or []})
+    listed = " ".join(f"--scope {k}" for k in keys[:20]) + (" …" if len(keys) > 20 else "")
+    raise CliError(
+        f"{', '.join(needing)} checkpoint only a named scope, and no assembler's scope "
+        "method is registered to name it",
+        ExitCode.BAD_INPUT,
+        hint=f"name the episodes to continue: {listed}"
+        if keys
+        else "nothing is in flight now; name the episodes to continue with --scope KEY",
     )
 
 
@@ -195,7 +258,7 @@ def _checkpoint_async(
         return
     click.echo(
         f"durable after {durable_s:.3f}s: {done.checkpoint_id} → {done.checkpoint_dir}, "
-        f"{done.total_bytes} bytes (the capture held {done.captured_bytes})"
+        f"{format_bytes(done.total_bytes)} (the capture held {format_bytes(done.captured_bytes)})"
     )
 
 
@@ -227,7 +290,7 @@ def restore(
 ) -> None:
     """Restore a fresh fleet from DIRECTORY, all or nothing."""
     try:
-        _location(directory)
+        _location_to_restore(directory, latest)
         keys = list(episodes)
         if latest:
             # The coordinator picks the checkpoint and, without --episode, its episodes.
@@ -258,6 +321,20 @@ def restore(
         click.echo(line)
     for who, why in sorted(res.resume_failures.items()):
         click.echo(f"  not resumed (its lease will lapse): {who}: {why.get('detail')}", err=True)
+
+
+def _location_to_restore(directory: str, latest: bool) -> None:
+    """A missing path, or a root without --latest (a checkpoint with it), is
+    refused before attaching to Ray."""
+    from ray_ckpt.storage.blobstore.locations import open_location
+
+    open_location(directory)
+    if not _is_local(directory):
+        return  # the coordinator reads the store (and says what is wrong)
+    if latest:
+        expect_root(directory)
+    else:
+        expect_checkpoint(directory)
 
 
 def _checkpointed_episodes(directory: str, without_gym_manifest: bool = False) -> list[str]:
@@ -303,11 +380,12 @@ def retire(rollout: str, attempt: int, address: str, namespace: str, as_json: bo
 
 @main.command()
 @click.argument("directory")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@json_option
 def inspect(directory: str, as_json: bool) -> None:
     """Verify and summarise a checkpoint directory (no Ray needed)."""
     from coordination.cli.inspect import inspect_checkpoint, render_inspect
 
+    expect_checkpoint(directory)
     report = inspect_checkpoint(directory)
     click.echo(msgspec.json.encode(report).decode() if as_json else render_inspect(report))
     sys.exit(0 if report.ok else 1)

@@ -17,7 +17,9 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
+from coordination.cli.output import format_bytes
 from ray_ckpt.errors import CheckpointError
+from ray_ckpt.identity import is_result_key
 from ray_ckpt.storage.blobstore.blobs import Blobs
 from ray_ckpt.storage.blobstore.locations import open_location
 from ray_ckpt.storage.participant.participant_manifest import load_manifest
@@ -27,6 +29,8 @@ from ray_ckpt.storage.root.gym_manifest import GYM_MANIFEST_KEY, verify_checkpoi
 class InspectRow(msgspec.Struct, frozen=True):
     kind: str
     instance: str
+    # The participant's records (one per episode it holds, plus held
+    # results): per participant, so the rows do not add up to the episodes.
     episodes: int
     bytes: int
     digest: str
@@ -48,25 +52,37 @@ class InspectReport(msgspec.Struct, frozen=True):
     # checkpoint never published (a crash before it was durable, an
     # asynchronous write that failed); "invalid": anything else wrong.
     state: str = "complete"
+    # The checkpoint's episodes: distinct capture keys over every participant
+    # (held results not counted), as `list`, `status` and the demo count
+    # them; None when the manifests do not list them (NeMo Gym's).
+    episodes: int | None = None
+    bytes: int = 0  # the participants' records, as the Gym manifest lists them
 
 
 def inspect_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> InspectReport:
     blobs = open_location(checkpoint_dir)
     report = verify_checkpoint(blobs)
-    rows = [
-        InspectRow(
-            kind=c.kind,
-            instance=c.instance,
-            episodes=c.episodes,
-            bytes=c.bytes,
-            digest=c.digest,
-            ok=c.ok,
-            listed=c.listed,
-            error=c.error,
-            **_references(blobs, c.kind, c.instance),
+    keys: set[str] | None = set()
+    rows = []
+    for c in report.participants:
+        refs, listed = _references(blobs, c.kind, c.instance)
+        if listed is None or keys is None:
+            keys = None
+        else:
+            keys.update(k for k in listed if not is_result_key(k))
+        rows.append(
+            InspectRow(
+                kind=c.kind,
+                instance=c.instance,
+                episodes=c.episodes,
+                bytes=c.bytes,
+                digest=c.digest,
+                ok=c.ok,
+                listed=c.listed,
+                error=c.error,
+                **refs,
+            )
         )
-        for c in report.participants
-    ]
     unpublished = not blobs.exists(GYM_MANIFEST_KEY) and bool(rows or blobs.list())
     return InspectReport(
         directory=os.fspath(checkpoint_dir),
@@ -75,26 +91,20 @@ def inspect_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> InspectReport:
         rows=rows,
         errors=report.errors,
         state="complete" if report.ok else "incomplete" if unpublished else "invalid",
+        episodes=None if keys is None else len(keys),
+        bytes=sum(r.bytes for r in rows),
     )
 
 
-def _references(blobs: Blobs, kind: str, instance: str) -> dict[str, Any]:
-    """What an incremental manifest references (nothing for one unreadable:
-    its row already says why)."""
+def _references(blobs: Blobs, kind: str, instance: str) -> tuple[dict[str, Any], list[str] | None]:
+    """What an incremental manifest references, and the capture keys it
+    lists (nothing for one unreadable: its row already says why)."""
     try:
         m = load_manifest(blobs, kind=kind, instance=instance, checkpoint_id=None)
     except CheckpointError:
-        return {}
-    return {"referenced": len(m.refs), "references": sorted({r.checkpoint for r in m.refs})}
-
-
-def _size(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1024 or unit == "GB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
+        return {}, None
+    refs = {"referenced": len(m.refs), "references": sorted({r.checkpoint for r in m.refs})}
+    return refs, list(m.episodes)
 
 
 def render_inspect(report: InspectReport, *, width: int = 120) -> str:
@@ -102,14 +112,14 @@ def render_inspect(report: InspectReport, *, width: int = 120) -> str:
         report.state, "INVALID"
     )
     table = Table(title=f"checkpoint {report.checkpoint_id or '?'} in {report.directory}: {status}")
-    for col in ("kind", "instance", "episodes", "size", "digest", "references", "status"):
-        table.add_column(col, justify="right" if col in ("episodes", "size") else "left")
+    for col in ("kind", "instance", "records", "size", "digest", "references", "status"):
+        table.add_column(col, justify="right" if col in ("records", "size") else "left")
     for r in report.rows:
         table.add_row(
             r.kind,
             r.instance,
             str(r.episodes),
-            _size(r.bytes),
+            format_bytes(r.bytes),
             r.digest[:16],
             f"{r.referenced} in {', '.join(r.references)}" if r.referenced else "-",
             "OK" if r.ok else f"FAILED: {r.error}",
@@ -119,10 +129,9 @@ def render_inspect(report: InspectReport, *, width: int = 120) -> str:
     console.print(table)
     for err in report.errors:
         console.print(f"error: {err}", markup=False, highlight=False)
-    total = sum(r.episodes for r in report.rows)
+    episodes = "? episodes" if report.episodes is None else f"{report.episodes} episodes"
     console.print(
-        f"{len(report.rows)} participants, {total} episodes, "
-        f"{_size(sum(r.bytes for r in report.rows))}",
+        f"{len(report.rows)} participants, {episodes}, {format_bytes(report.bytes)}",
         markup=False,
         highlight=False,
     )

@@ -14,15 +14,101 @@ from typing import Any
 
 import click
 
-from coordination.cli.output import cluster_options, emit, fail
+from coordination.cli.output import CliError, ExitCode, cluster_options, emit, fail
 from ray_ckpt.errors import CheckpointError
 
 
-def connect_cli(address: str, namespace: str) -> Any:
-    from coordination.client.connect import connect
+def connect_cli(address: str, namespace: str, *, create: bool = True) -> Any:
+    """The namespace's coordinator, attached quietly and failing fast.
 
-    return connect(
-        namespace=namespace, address=None if address == "local" else address, detached=True
+    `create=False` (status): only find one; none is a `CliError` (not
+    found), never a coordinator made as a side effect."""
+    import ray
+
+    from coordination.client.connect import connect
+    from ray_ckpt.errors import ParticipantUnavailable
+
+    if not ray.is_initialized():
+        attach_ray(address, namespace)
+    where = None if address == "local" else address
+    try:
+        if create:
+            return connect(namespace=namespace, address=where, detached=True)
+        return connect(namespace=namespace, address=where, create=False)
+    except ParticipantUnavailable as exc:
+        if create:
+            raise
+        raise CliError(
+            f"no coordinator in namespace {namespace!r}: nothing has checkpointed here yet",
+            ExitCode.NOT_FOUND,
+            hint="check --namespace (`ray list actors` shows the namespaces); "
+            "`ray-ckpt checkpoint DIR` or a training loop's connect() creates it",
+        ) from exc
+
+
+# How long a cluster address may take to accept a connection: Ray itself
+# retries an address with nothing behind it for minutes, printing as it goes.
+PROBE_S = 3.0
+
+
+def attach_ray(address: str, namespace: str) -> None:
+    """`ray.init` for a command: an address with no Ray behind it is refused
+    at once (`CliError`, unavailable) and Ray's connect messages stay quiet."""
+    import logging
+
+    import ray
+
+    target: str | None = None
+    if address != "local":
+        target = _resolve(address)
+        _probe(target, address)
+    try:
+        ray.init(
+            address=target,
+            namespace=namespace,
+            ignore_reinit_error=True,
+            log_to_driver=False,
+            logging_level=logging.ERROR,
+        )
+    except ConnectionError as exc:
+        raise _unavailable(address, str(exc)) from exc
+
+
+def _resolve(address: str) -> str:
+    """host:port (or a ray:// URI) of `address`; "auto" as Ray finds it."""
+    if address.startswith("ray://") or address not in ("auto", ""):
+        return address
+    from ray._private.services import canonicalize_bootstrap_address_or_die
+
+    try:
+        return str(canonicalize_bootstrap_address_or_die(address))
+    except ConnectionError as exc:
+        raise _unavailable(address, "no running Ray cluster found on this machine") from exc
+
+
+def _probe(target: str, asked: str) -> None:
+    import socket
+
+    hostport = target.removeprefix("ray://").rsplit("/", 1)[0]
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        raise CliError(
+            f"--address {asked!r} is not host:port, ray://host:port, auto or local",
+            ExitCode.BAD_INPUT,
+            hint="pass the address `ray start --head` printed (e.g. 127.0.0.1:6379)",
+        )
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_S):
+            pass
+    except OSError as exc:
+        raise _unavailable(asked, f"nothing answers at {hostport} ({exc.strerror or exc})") from exc
+
+
+def _unavailable(address: str, why: str) -> CliError:
+    return CliError(
+        f"Ray is not reachable (--address {address}): {why}",
+        ExitCode.UNAVAILABLE,
+        hint="start Ray (`ray start --head`) or pass --address of a running cluster",
     )
 
 

@@ -11,6 +11,8 @@ receipt refuses the whole call and acknowledges nothing.
 
 from __future__ import annotations
 
+import pathlib
+import sys
 from typing import Any
 
 import click
@@ -18,7 +20,7 @@ import msgspec
 
 from coordination.cli.ops import connect_cli
 from coordination.cli.output import cluster_options, emit, fail
-from ray_ckpt.errors import CheckpointError, InvalidRequest
+from ray_ckpt.errors import CheckpointError, InvalidRequest, NotFound
 
 
 @click.command()
@@ -45,6 +47,16 @@ def collect(address: str, namespace: str, as_json: bool) -> None:
     Console().print(table)
 
 
+def _read(source: str) -> bytes:
+    """FILE's bytes, or stdin's for "-"; a missing file is `NotFound`."""
+    if source == "-":
+        return sys.stdin.buffer.read()
+    path = pathlib.Path(source)
+    if not path.is_file():
+        raise NotFound(f"receipts file {source} does not exist")
+    return path.read_bytes()
+
+
 def receipts_in(document: Any) -> list[Any]:
     """The receipts a document names: a list of them, `{"receipts": [...]}`,
     or `collect --json`'s `{"results": [{"receipt": ...}, ...]}`."""
@@ -62,13 +74,13 @@ def receipts_in(document: Any) -> list[Any]:
 
 
 @click.command()
-@click.argument("source", type=click.File("rb"), default="-", metavar="[FILE|-]")
+@click.argument("source", default="-", metavar="[FILE|-]")
 @cluster_options
-def ack(source: Any, address: str, namespace: str, as_json: bool) -> None:
+def ack(source: str, address: str, namespace: str, as_json: bool) -> None:
     """Acknowledge the receipts in FILE (default stdin): their results are freed everywhere."""
     try:
         try:
-            document = msgspec.json.decode(source.read())
+            document = msgspec.json.decode(_read(source))
         except msgspec.DecodeError as exc:
             raise InvalidRequest(f"not JSON: {exc}") from None
         receipts = receipts_in(document)

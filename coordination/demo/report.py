@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from coordination.cli.output import format_bytes
 from coordination.demo.scenario import Continuation, Rollouts
 from coordination.engine.results import (
     CheckpointResult,
@@ -19,6 +20,7 @@ from coordination.engine.results import (
     PrepareResult,
 )
 from participants.rollout import result_digest
+from ray_ckpt.identity import is_result_key
 
 
 @dataclass
@@ -28,6 +30,9 @@ class DemoReport:
     in_flight: dict[str, int] = field(default_factory=dict)
     # Episodes unfinished when the checkpoint was taken (its scope).
     in_scope: int = 0
+    # The checkpoint's episodes as `inspect`, `list` and `status` count them:
+    # distinct capture keys any participant wrote (held results not counted).
+    checkpoint_episodes: int = 0
     finished_before_crash: int = 0
     checkpoint_id: str = ""
     prepare_s: float = 0.0
@@ -64,6 +69,7 @@ class DemoReport:
         self.prepare_s = prepared.seconds
         self.commit_s = committed.seconds
         self.in_scope = len(committed.continued) + len(committed.restart)
+        self.checkpoint_episodes = distinct_episodes(committed.episode_ids)
         for name in sorted(set(prepared.timings) | set(committed.timings)):
             self.per_participant[name] = {
                 "prepare_s": prepared.timings.get(name, 0.0),
@@ -78,6 +84,7 @@ class DemoReport:
         self.prepare_s = result.prepare_s
         self.commit_s = result.commit_s  # the capture; the write ran after the resume
         self.in_scope = len(result.continued) + len(result.restart)
+        self.checkpoint_episodes = distinct_episodes(result.episode_ids)
         for name in sorted(result.timings):
             self.per_participant[name] = {
                 "prepare_s": result.timings[name].get("prepare", 0.0),
@@ -158,6 +165,7 @@ class DemoReport:
             "commit_s": round(self.commit_s, 4),
             "restore_s": round(self.restore_s, 4),
             "bytes": self.bytes,
+            "checkpoint_episodes": self.checkpoint_episodes,
             "in_flight_at_checkpoint": self.in_flight,
             "tokens_regenerated": max(self.tokens_generated - self.tokens_baseline, 0),
             "tokens_continued_from_cuts": self.tokens_continued,
@@ -177,6 +185,12 @@ class DemoReport:
             "workers_serving": self.workers_serving,
             "restore_workers": self.restore_workers,
         }
+
+
+def distinct_episodes(episode_ids: dict[str, list[str]]) -> int:
+    """Distinct capture keys over every participant, held results left out:
+    how `inspect`, `list` and `status` count a checkpoint's episodes."""
+    return len({k for keys in episode_ids.values() for k in keys if not is_result_key(k)})
 
 
 class Ui:
@@ -207,7 +221,14 @@ class Ui:
         run.add_column("value", justify="right")
         for label, value in (
             ("rollouts x steps", f"{r.rollouts} x {r.steps}"),
-            ("in flight at checkpoint", ", ".join(f"{k} {v}" for k, v in r.in_flight.items())),
+            # The JSON's episodes_in_flight_at_checkpoint: the scope, counted
+            # at the checkpoint (the states below were sampled just before).
+            ("episodes in flight at checkpoint", str(r.in_scope)),
+            (
+                "work seen before it",
+                ", ".join(f"{k} {v}" for k, v in r.in_flight.items() if k != "episodes") or "-",
+            ),
+            ("episodes in the checkpoint", str(r.checkpoint_episodes)),
             ("finished before the crash", str(r.finished_before_crash)),
             ("episodes continued", str(len(r.continued))),
             ("episodes restarted", str(len(r.restarted))),
@@ -227,7 +248,7 @@ class Ui:
                 else []
             ),
             ("restore", f"{r.restore_s:.3f} s"),
-            ("checkpoint size", f"{r.bytes:,} B"),
+            ("checkpoint size", format_bytes(r.bytes)),
             ("tokens regenerated after crash", str(s["tokens_regenerated"])),
             ("tokens continued from cuts", str(r.tokens_continued)),
             ("lost", ", ".join(r.lost) or "none"),
@@ -244,13 +265,57 @@ class Ui:
                 name,
                 f"{p['prepare_s']:.3f}",
                 f"{p['commit_s']:.3f}",
-                f"{p['bytes']:,}",
+                format_bytes(int(p["bytes"])),
                 str(p["episodes"]),
             )
         self.out.print(run)
         self.out.print(parts)
         if r.nodes > 1:
             self.out.print(placement_table(r))
+
+
+# The facts of a `--until-signal` / `--resume latest` run, labelled as the
+# main run's table labels them (its JSON keys on the right).
+PREEMPT_ROWS = (
+    ("resumed from", "resumed_from"),
+    ("resumed checkpoint", "resumed_checkpoint_id"),
+    ("finished before the stop", "episodes_finished_before"),
+    ("episodes continued", "episodes_continued"),
+    ("episodes restarted", "episodes_restarted"),
+    ("stopped by", "stopped_by"),
+    ("checkpoint", "checkpoint_id"),
+    ("checkpoint directory", "checkpoint_dir"),
+    ("episodes in flight at the stop", "episodes_in_flight"),
+    ("finished", "finished"),
+    ("lost", "lost"),
+    ("equal to uninterrupted run", "equal"),
+    ("error", "error"),
+    ("passed", "ok"),
+)
+
+
+def preempt_table(summary: dict[str, Any]) -> Table:
+    """`--until-signal` and `--resume latest`: the run's table (their JSON's facts)."""
+    table = Table(
+        title="ray-ckpt demo (" + ("resume" if "resumed_from" in summary else "signals") + ")",
+        show_header=False,
+    )
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    for label, key in PREEMPT_ROWS:
+        if key not in summary:
+            continue
+        value = summary[key]
+        if isinstance(value, bool):
+            text = "yes" if value else "NO"
+        elif isinstance(value, list):
+            text = ", ".join(map(str, value)) or "none"
+        elif isinstance(value, dict):
+            text = str(value.get("detail", value))
+        else:
+            text = "-" if value is None else str(value)
+        table.add_row(label, text)
+    return table
 
 
 def placement_table(r: DemoReport) -> Table:

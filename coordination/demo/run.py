@@ -29,6 +29,7 @@ from typing import Any
 import click
 import msgspec
 
+from coordination.cli.output import S3_HINT, CliError, ExitCode, report_error
 from coordination.demo.nodes import LocalRay, kill_coordinator, node_of, start_ray
 from coordination.demo.options import DemoOptions, fleet_config
 from coordination.demo.report import DemoReport, Ui
@@ -294,6 +295,11 @@ def demo_cli(as_json: bool, namespace: str | None, **kwargs: Any) -> None:
         )
     if preempt:
         _check_root(str(opts.checkpoint_dir), write=opts.until_signal)
+    elif opts.checkpoint_dir is not None:
+        # Before the first run, not minutes later at the checkpoint: an
+        # unreachable or unconfigured store (s3:// with no endpoint or
+        # credentials) is refused now, nothing started.
+        _check_root(opts.checkpoint_dir, write=True)
     ui = Ui(stderr=True)
     local = start_ray(opts.address, opts.namespace, opts.nodes)
     if preempt:
@@ -303,10 +309,14 @@ def demo_cli(as_json: bool, namespace: str | None, **kwargs: Any) -> None:
         try:
             summary, status = asyncio.run(run_preempt(opts, ui, local))
         except CheckpointError as exc:  # e.g. no checkpoint of ours under the root
-            summary, status = {"ok": False, "error": {"code": exc.code, "detail": exc.detail}}, 1
-            sys.stderr.write(f"demo failed: {exc}\n")
+            summary = {"ok": False, "error": {"code": exc.code, "detail": exc.detail}}
+            status = int(report_error(exc))
         finally:
             local.stop()
+        from coordination.demo.report import preempt_table
+
+        # Every mode prints its table (the JSON, asked for, is the last line).
+        ui.out.print(preempt_table(summary))
         if as_json:
             sys.stdout.write(msgspec.json.encode(summary).decode() + "\n")
         sys.exit(status)
@@ -325,7 +335,13 @@ def _check_root(root: str, *, write: bool) -> None:
     try:
         check_location(root, for_write=write)
     except CheckpointError as exc:
-        raise click.UsageError(f"--checkpoint-dir: {exc}") from None
+        hint = S3_HINT if "://" in root and not root.startswith("file://") else None
+        raise CliError(
+            f"--checkpoint-dir: {exc.detail}",
+            ExitCode.BAD_INPUT,
+            hint=hint or "give an absolute directory this machine can write (or a reachable URI)",
+            code=exc.code,
+        ) from None
 
 
 def finish(report: DemoReport, ui: Ui, *, as_json: bool) -> int:
@@ -333,8 +349,9 @@ def finish(report: DemoReport, ui: Ui, *, as_json: bool) -> int:
     ui.print_report(report)
     if as_json:
         sys.stdout.write(msgspec.json.encode(report.summary()).decode() + "\n")
-    for problem in report.problems():
-        sys.stderr.write(f"demo failed: {problem}\n")
+    if report.problems():
+        # One line, as every error of the command line.
+        sys.stderr.write(f"demo failed: {'; '.join(report.problems())}\n")
     return 0 if report.ok else 1
 
 
@@ -344,7 +361,6 @@ def demo_command_main(args: list[str]) -> int:
         demo_cli.main(args=args, prog_name="ray-ckpt demo", standalone_mode=False)
     except SystemExit as exc:
         return int(exc.code or 0)
-    except click.ClickException as exc:
-        exc.show()
-        return exc.exit_code
+    except (click.ClickException, CliError) as exc:
+        return int(report_error(exc))
     return 0

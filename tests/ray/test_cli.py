@@ -29,18 +29,31 @@ SPEC = ServerSpec(
 
 
 def run(*args: str, input_: str | None = None) -> tuple[int, str]:
-    result = CliRunner().invoke(main, list(args), input=input_, catch_exceptions=False)
-    return result.exit_code, result.output
+    result = CliRunner().invoke(
+        main, list(args), input=input_, catch_exceptions=False, env={"COLUMNS": "200"}
+    )
+    # --json: stdout is one JSON object (an error's line goes to stderr).
+    return result.exit_code, result.stdout if "--json" in args else result.output
 
 
 async def test_status_checkpoint_inspect_restore_retire(namespace: str, tmp_path: Path) -> None:
     import ray
 
     ns = ["--namespace", namespace]
+    # Looking creates nothing: no coordinator yet, status says so (exit 3).
+    code, out = run("status", *ns, "--json")
+    assert code == 3, out
+    assert json.loads(out)["error"]["code"] == "not_found"
+    from coordination.actor.actor_options import COORDINATOR_NAME
+
+    with pytest.raises(ValueError, match="Failed to look up actor"):
+        ray.get_actor(COORDINATOR_NAME, namespace=namespace)
     host = start_host(SPEC, namespace=namespace)
     fresh = None
     try:
         url = (await host.ready.remote())["url"]
+        code, out = run("checkpoint", str(tmp_path / "first"), *ns, "--json")
+        assert code == 0, out  # creates the coordinator that status then reads
         async with aiohttp.ClientSession() as http:
             async with http.put(f"{url}/episodes/e1", json={"next": "tool"}) as resp:
                 assert resp.status == 200
@@ -89,7 +102,7 @@ async def test_status_checkpoint_inspect_restore_retire(namespace: str, tmp_path
         ]
         assert {"capture", "write", "release"} <= set(slices)
         code, out = run("timeline", "ckpt-unknown", "-o", str(tmp_path / "x.json"), *ns, "--json")
-        assert code == 1
+        assert code == 2
         assert json.loads(out)["error"]["code"] == "invalid_request"
         assert not (tmp_path / "x.json").exists()
 
@@ -105,6 +118,11 @@ async def test_status_checkpoint_inspect_restore_retire(namespace: str, tmp_path
         assert both["checkpoint"]["pending"] is True
         assert both["durable"]["checkpoint_id"] == both["checkpoint"]["checkpoint_id"]
         assert both["resumed_s"] <= both["durable_s"]
+        # Once durable, status says its size (not "size pending", not 0).
+        code, out = run("status", *ns, "--json")
+        last = json.loads(out)["last_checkpoint"]
+        assert last["checkpoint_id"] == both["durable"]["checkpoint_id"]
+        assert last["bytes"] == both["durable"]["total_bytes"] > 0
         code, out = run("inspect", str(tmp_path / "async2"), "--json")
         assert code == 0
         assert json.loads(out)["ok"] is True
@@ -116,7 +134,7 @@ async def test_status_checkpoint_inspect_restore_retire(namespace: str, tmp_path
         assert "1 episodes continue, 1 start over (ghost)" in out
         strict = tmp_path / "strict"
         code, out = run("checkpoint", str(strict), *scoped, "--strict", *ns, "--json")
-        assert code == 1
+        assert code == 4
         error = json.loads(out)["error"]
         assert error["code"] == "restart_in_scope"
         assert "ghost" in error["detail"]
@@ -136,9 +154,13 @@ async def test_status_checkpoint_inspect_restore_retire(namespace: str, tmp_path
         assert code == 0, out
         assert json.loads(out)["retired"] == {"environment/cli": ["e1-a1"]}
 
-        # Bad input: a typed error, exit 1, nothing changed.
+        # Bad input: a typed error, exit 3 (not found), nothing changed.
         code, out = run("restore", str(tmp_path / "nothing-here"), *ns, "--json")
-        assert code == 1
+        assert code == 3
+        assert json.loads(out)["error"]["code"] == "not_found"
+        (tmp_path / "empty").mkdir()
+        code, out = run("restore", str(tmp_path / "empty"), *ns, "--json")
+        assert code == 3
         assert json.loads(out)["error"]["code"] == "invalid_checkpoint_state"
         code, out = run("status", *ns, "--json")
         assert json.loads(out)["participants"][0]["phase"] == "idle"
@@ -235,7 +257,7 @@ async def test_collect_and_ack_hand_results_over_from_a_shell(
 
         stray = {**reply["receipt"], "digest": "0" * 64}
         code, out = run("ack", "-", *ns, "--json", input_=json.dumps([stray]))
-        assert code == 1 and json.loads(out)["error"]["code"] == "unknown_receipt", out
+        assert code == 3 and json.loads(out)["error"]["code"] == "unknown_receipt", out
         code, out = run("collect", *ns, "--json")
         assert len(json.loads(out)["results"]) == 1, "the refused ack freed nothing"
 
@@ -248,6 +270,6 @@ async def test_collect_and_ack_hand_results_over_from_a_shell(
         code, out = run("collect", *ns, "--json")
         assert json.loads(out)["results"] == []
         code, out = run("ack", "-", *ns, input_="not json")
-        assert code == 1 and "not JSON" in out, out
+        assert code == 2 and "not JSON" in out, out
     finally:
         await fleet.stop()

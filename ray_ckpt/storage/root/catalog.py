@@ -56,9 +56,12 @@ class CheckpointEntry(msgspec.Struct, frozen=True, kw_only=True):
     time: float
     participants: int
     episodes: int
-    bytes: int  # every object under <name>/gym/
+    # The checkpoint's size as every command reports it: its participants'
+    # records as the Gym manifest lists them (incomplete: every object).
+    bytes: int
     complete: bool
     referenced_by: list[str]
+    stored_bytes: int = 0  # every object under <name>/gym/ (manifests too)
 
 
 class Scanned(msgspec.Struct, frozen=True, kw_only=True):
@@ -214,7 +217,8 @@ def _scan_one(blobs: Blobs, name: str, keys: list[BlobInfo]) -> Scanned:
         time=gym.written_at if gym.written_at is not None else sizes[gym_key].modified,
         participants=len(gym.participants),
         episodes=len(episodes) if episodes is not None else _max_count(manifests.values()),
-        bytes=total,
+        bytes=sum(e.bytes for e in gym.participants),
+        stored_bytes=total,
         complete=True,
         referenced_by=[],
     )
@@ -286,6 +290,7 @@ def _incomplete(
         participants=len(manifests),
         episodes=len(episodes) if episodes is not None else _max_count(manifests),
         bytes=total,
+        stored_bytes=total,
         complete=False,
         referenced_by=[],
     )

@@ -25,6 +25,7 @@ FIELDS = {
     "bytes",
     "complete",
     "referenced_by",
+    "stored_bytes",
 }
 
 
@@ -72,23 +73,27 @@ def test_list_prints_a_table(root: pathlib.Path) -> None:
 
 @pytest.mark.parametrize("command", [["list"], ["gc", "--keep", "1"]])
 @pytest.mark.parametrize(
-    ("location", "why"),
+    ("location", "why", "code", "exit_code"),
     [
-        ("relative/ckpt", "relative path"),
-        ("s4://bucket/x", "unknown scheme"),
-        ("/nonexistent/ray-ckpt-root", "cannot be read"),
+        ("relative/ckpt", "relative path", "invalid_request", 2),
+        ("s4://bucket/x", "unknown scheme", "invalid_request", 2),
+        ("/nonexistent/ray-ckpt-root", "does not exist", "not_found", 3),
     ],
 )
-def test_a_bad_root_is_refused_naming_it(command: list[str], location: str, why: str) -> None:
+def test_a_bad_root_is_refused_naming_it(
+    command: list[str], location: str, why: str, code: str, exit_code: int
+) -> None:
     result = run(*command, location, "--json")
-    assert result.exit_code == 1
-    error = json.loads(result.output)["error"]
-    assert error["code"] == "invalid_request"
+    assert result.exit_code == exit_code
+    error = json.loads(result.stdout)["error"]
+    assert error["code"] == code
     assert location in error["detail"]
     assert why in error["detail"]
     plain = run(*command, location)
-    assert plain.exit_code == 1
-    assert location in plain.output
+    assert plain.exit_code == exit_code
+    assert plain.stdout == ""
+    assert [line for line in plain.stderr.splitlines()] == [plain.stderr.strip()]
+    assert location in plain.stderr
 
 
 def test_gc_dry_run_prints_the_plan_and_deletes_nothing(root: pathlib.Path) -> None:
@@ -123,8 +128,8 @@ def test_gc_deletes_what_the_plan_said(root: pathlib.Path) -> None:
 def test_gc_refuses_to_keep_none(root: pathlib.Path, keep: str) -> None:
     before = files(root)
     result = run("gc", str(root), "--keep", keep, "--json")
-    assert result.exit_code == 1
-    assert json.loads(result.output)["error"]["code"] == "invalid_request"
+    assert result.exit_code == 2
+    assert json.loads(result.stdout)["error"]["code"] == "invalid_request"
     assert files(root) == before
 
 
@@ -180,8 +185,8 @@ def test_checkpoint_and_restore_refuse_a_bad_location_before_attaching(
 
     monkeypatch.setattr(cli, "_connect", no_cluster)
     result = run(*args, "--json")
-    assert result.exit_code == 1
-    error = json.loads(result.output)["error"]
+    assert result.exit_code == 2
+    error = json.loads(result.stdout)["error"]
     assert error["code"] == "invalid_request"
     assert args[1] in error["detail"]
 

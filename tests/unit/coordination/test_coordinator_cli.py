@@ -12,8 +12,8 @@ from coordination.demo.app import main  # the `ray-ckpt` command: the library CL
 
 def test_inspect_of_a_missing_checkpoint_fails_and_says_why(tmp_path: pathlib.Path) -> None:
     result = CliRunner().invoke(main, ["inspect", str(tmp_path), "--json"])
-    assert result.exit_code == 1
-    assert '"ok":false' in result.output
+    assert result.exit_code == 1  # an empty directory: there, but no checkpoint
+    assert '"ok":false' in result.stdout
 
 
 def test_every_command_is_listed() -> None:

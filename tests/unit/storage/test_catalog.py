@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 
+import msgspec
 import pytest
 
 from ray_ckpt.errors import InvalidCheckpointState, InvalidRequest
@@ -40,7 +41,12 @@ def test_rows_say_what_each_checkpoint_holds(tmp_path: pathlib.Path) -> None:
     assert one.time == T0
     gym = (tmp_path / "step-1" / "gym").rglob("*")
     gym_bytes = sum(p.stat().st_size for p in gym if p.is_file())
-    assert one.bytes == gym_bytes
+    assert one.stored_bytes == gym_bytes
+    # Its size as inspect, checkpoint and status say it: the records listed.
+    gym_manifest = msgspec.json.decode(
+        (tmp_path / "step-1" / "gym" / "_manifest.json").read_bytes()
+    )
+    assert one.bytes == sum(p["bytes"] for p in gym_manifest["participants"]) < gym_bytes
     # Participants committed, no Gym manifest: listed, incomplete.
     assert (two.checkpoint_id, two.complete, two.participants, two.episodes) == (
         "ckpt-step-2",
