@@ -54,8 +54,8 @@ class CoordinatorEpoch:
         """Raise `StaleCoordinator` unless this epoch is still the newest taken.
 
         `what` names the act it guards (in the error).  The store is read in
-        a thread, never on the loop; no answer within `timeout_s` counts as
-        not confirmed."""
+        a thread, never on the loop; no answer within `timeout_s`, or a
+        failing store, counts as not confirmed."""
         try:
             newest = await asyncio.wait_for(asyncio.to_thread(self._newest), self.timeout_s)
         except TimeoutError:
@@ -63,6 +63,13 @@ class CoordinatorEpoch:
                 f"{what} refused: coordinator epoch {self.value} could not be confirmed "
                 f"within {self.timeout_s:g}s (the epoch store did not answer)"
             ) from None
+        except Exception as exc:
+            # The store failing (a GCS that refuses the connection) is no
+            # confirmation either; typed, so every caller handles it as stale.
+            raise StaleCoordinator(
+                f"{what} refused: coordinator epoch {self.value} could not be confirmed "
+                f"(the epoch store failed: {exc!r})"[:500]
+            ) from exc
         if newest != self.value:
             raise StaleCoordinator(
                 f"{what} refused: coordinator epoch {self.value} is stale, epoch {newest} "

@@ -194,3 +194,30 @@ async def test_a_superseded_coordinator_never_overwrites_the_newer_ones_journal(
         True
     }
     await new.aclose()
+
+
+async def test_a_failing_epoch_store_counts_as_stale_and_leaves_latest_alone(
+    fleet: Fleet,
+) -> None:
+    """The GCS refusing the read is no confirmation: typed, so the publish
+    fails, and the `LATEST` write (which never raises) is skipped."""
+    calls = 0
+
+    def newest() -> int:
+        nonlocal calls
+        calls += 1
+        if calls > 1:  # the opening's confirm passes; the ones after fail
+            raise ConnectionError("GCS unavailable")
+        return 1
+
+    fleet.core.epoch = CoordinatorEpoch(1, newest)
+    with pytest.raises(StaleCoordinator, match="epoch store failed"):
+        await fleet.core.checkpoint("/root/ck")
+    assert fleet.manifests == []
+    fleet.core.epoch = None
+    await fleet.core.checkpoint("/root/ck2")
+    calls = 1
+    fleet.core.epoch = CoordinatorEpoch(1, newest)
+    before = list(fleet.latests)
+    await fleet.core._write_latest("/root/ck2", "ckpt-x")
+    assert fleet.latests == before
