@@ -85,6 +85,9 @@ class AgentParticipant:
     def live_executions(self) -> int:
         return self.steps.live_executions()
 
+    def live_keys(self) -> list[str]:
+        return [e.key for e in self.steps.episodes()]
+
     def retiring(self) -> int:
         # The attempts being stopped right now (`status.retiring`): a stop
         # outlives a retire call that gave up, so the engine's count of

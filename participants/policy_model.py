@@ -131,6 +131,13 @@ class PolicyModelParticipant:
     def live_executions(self) -> int:
         return len(self.calls)
 
+    def live_keys(self) -> list[str]:
+        return sorted({c.episode.capture_key for c in self.calls.values()})
+
+    # Its export needs a named scope (see `export`): `status` says so, and a
+    # checkpoint with no scope and no assembler to ask is refused up front.
+    needs_scope = True
+
     def fresh(self) -> bool:
         return not self._served and not self._installed
 

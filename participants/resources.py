@@ -126,6 +126,9 @@ class ResourcesParticipant:
     def live_executions(self) -> int:
         return len(self._inflight)
 
+    def live_keys(self) -> list[str]:
+        return sorted({r.episode.capture_key for r in self._inflight.values()})
+
     def fresh(self) -> bool:
         return not self._served and not self._installed
 

@@ -1352,6 +1352,7 @@ class CoordinatorCore:
             total_s=result.total_s,
             bytes=result.total_bytes,
             trigger=oc.trigger,
+            episodes=result.episodes,
         )
         self.timeline.finish(oc.checkpoint_id, outcome="ok", trigger=oc.trigger)
         oc.end_span("ok")

@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 
+from ray_ckpt.identity import is_result_key
 from ray_ckpt.storage.root.history import RestartBias
 
 
@@ -92,6 +93,12 @@ class CheckpointResult(msgspec.Struct, frozen=True, kw_only=True):
     # `PendingCheckpoint.durable()` resolves when the Gym manifest is written.
     durability: str = "sync"
     pending: bool = False
+
+    @property
+    def episodes(self) -> int:
+        """Its episodes as `inspect`, `list` and the demo count them: distinct
+        capture keys any participant wrote, held results (`result:`) left out."""
+        return len({k for keys in self.episode_ids.values() for k in keys if not is_result_key(k)})
 
 
 class DurableResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -202,6 +209,7 @@ class LastCheckpoint(msgspec.Struct, frozen=True, kw_only=True):
     total_s: float
     bytes: int | None  # None for an asynchronous one (not written when it returned)
     trigger: str
+    episodes: int | None = None  # `CheckpointResult.episodes`
 
 
 class CoordinatorStatus(msgspec.Struct, frozen=True, kw_only=True):

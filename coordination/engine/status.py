@@ -67,4 +67,10 @@ def status_row(host: Host, task: asyncio.Future[dict[str, Any]]) -> ParticipantS
         writes_in_flight=int_or_none(s.get("writes_in_flight")),
         unacknowledged_results=int_or_none(s.get("unacknowledged_results")),
         unacknowledged_bytes=int_or_none(s.get("unacknowledged_bytes")),
+        live_keys=_keys(s.get("live_keys")),
+        needs_scope=s.get("needs_scope") is True,
     )
+
+
+def _keys(value: Any) -> list[str] | None:
+    return [str(k) for k in value] if isinstance(value, list) else None

@@ -231,6 +231,10 @@ class ParticipantEngine:
             "retired_rollouts": self.retired.retired_rollouts(),
             "retiring": self._retiring_now(),
             "live_executions": self.participant.live_executions(),
+            # Optional hooks: which episodes are in flight (capped), and an
+            # export that needs a named scope (the CLI asks before pausing).
+            "live_keys": _live_keys(self.participant),
+            "needs_scope": bool(getattr(self.participant, "needs_scope", False)),
             # What a restore needs (`control.restore`): the coordinator checks
             # it before changing anything anywhere.
             "fresh": self.participant.fresh() and not self._restores.restored_once,
@@ -606,3 +610,12 @@ class ParticipantEngine:
         for write in list(self._writes.values()):
             await write.close()
         self._writes.clear()
+
+
+def _live_keys(participant: Any) -> list[str] | None:
+    """The capture keys a participant's `live_keys` hook names, sorted and
+    capped as blockers are (None: a participant without the hook)."""
+    hook = getattr(participant, "live_keys", None)
+    if hook is None:
+        return None
+    return sorted(str(k) for k in hook())[:MAX_REPORTED_BLOCKERS]

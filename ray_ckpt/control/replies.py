@@ -69,6 +69,11 @@ class StatusReply(_Reply, frozen=True, forbid_unknown_fields=True, kw_only=True)
     accepting_processes: list[int] | msgspec.UnsetType | None = msgspec.UNSET
     # Only on a server whose workers the host manages (`ray_ckpt.workers`).
     workers: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
+    # The capture keys in flight (sorted, capped as blockers are; null: a
+    # participant that cannot list them), and whether its export needs a
+    # named scope (`ray-ckpt checkpoint` without one is refused up front).
+    live_keys: list[str] | msgspec.UnsetType | None = msgspec.UNSET
+    needs_scope: bool | msgspec.UnsetType = msgspec.UNSET
 
 
 # --- checkpoint phases -----------------------------------------------------------

@@ -40,6 +40,10 @@ class EpisodeParticipant:
     def live_executions(self) -> int:
         return self.steps.live_executions()
 
+    def live_keys(self) -> list[str]:
+        """The capture keys of the live episodes (`status`: what is in flight)."""
+        return [e.key for e in self.steps.episodes()]
+
     def fresh(self) -> bool:
         return self.steps.fresh()
 
