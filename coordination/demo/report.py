@@ -41,6 +41,8 @@ class DemoReport:
     restore_s: float = 0.0
     continued: list[str] = field(default_factory=list)
     restarted: list[str] = field(default_factory=list)
+    # {steps bucket: {continued, restarted, lost}}: does resuming bias the data?
+    restart_bias: dict[str, dict[str, int]] = field(default_factory=dict)
     equal: bool = False
     lost: list[str] = field(default_factory=list)
     different: list[str] = field(default_factory=list)
@@ -97,6 +99,7 @@ class DemoReport:
         self.restore_s = cont.restore_s
         self.continued = sorted(cont.continued)
         self.restarted = sorted(cont.restarted)
+        self.restart_bias = cont.restart_bias
         self.results_recovered_by_receipt = len(cont.recovered)
 
     def compare(
@@ -157,6 +160,7 @@ class DemoReport:
             "episodes_finished_before_crash": self.finished_before_crash,
             "episodes_continued": len(self.continued),
             "episodes_restarted": len(self.restarted),
+            "restart_bias": self.restart_bias,
             "lost": self.lost,
             "different": self.different,
             "checkpoint_id": self.checkpoint_id,
@@ -270,8 +274,20 @@ class Ui:
             )
         self.out.print(run)
         self.out.print(parts)
+        if r.restart_bias:
+            self.out.print(bias_table(r.restart_bias))
         if r.nodes > 1:
             self.out.print(placement_table(r))
+
+
+def bias_table(bias: dict[str, dict[str, int]]) -> Table:
+    """The restore's episodes by steps done before the checkpoint and outcome."""
+    table = Table(title="restart bias (by steps done at the checkpoint)")
+    for col in ("steps done", "continued", "restarted", "lost"):
+        table.add_column(col, justify="left" if col == "steps done" else "right")
+    for bucket, row in bias.items():
+        table.add_row(bucket, *(str(row.get(o, 0)) for o in ("continued", "restarted", "lost")))
+    return table
 
 
 # The facts of a `--until-signal` / `--resume latest` run, labelled as the

@@ -245,6 +245,8 @@ class Continuation:
     restored_keys: dict[str, list[str]]
     restore_s: float
     recovered: list[str] = field(default_factory=list)  # results collected by receipt
+    # The restore's restart bias: {steps bucket: {continued, restarted, lost}}.
+    restart_bias: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 async def restore_and_continue(
@@ -281,7 +283,8 @@ async def restore_and_continue(
         nxt = episode.next()
         (continued if nxt.capture_key in env_keys else restarted).append(episode.rollout_id)
         rollouts.start(session, fleet.urls["environment"], episode.rollout_id, attempt=nxt.attempt)
-    return Continuation(continued, restarted, result.restored, result.total_s, recovered)
+    bias = {} if result.restart_bias is None else result.restart_bias.as_table()
+    return Continuation(continued, restarted, result.restored, result.total_s, recovered, bias)
 
 
 async def crash(fleet: Fleet, rollouts: Rollouts) -> None:

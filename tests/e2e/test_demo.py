@@ -44,6 +44,14 @@ async def test_demo_continues_every_rollout_and_equals_the_uninterrupted_run(
         == 3
     )
     assert summary["episodes_restarted"] == 0
+    # The restart bias of the restore: every episode of the scope in a bucket
+    # of known progress (the environment's records say its steps), none lost.
+    bias = summary["restart_bias"]
+    assert sum(r["continued"] + r["restarted"] for r in bias.values()) == (
+        summary["episodes_in_flight_at_checkpoint"]
+    )
+    assert sum(r["lost"] for r in bias.values()) == 0
+    assert bias["unknown"] == {"continued": 0, "restarted": 0, "lost": 0}
     assert summary["bytes"] > 0 and summary["checkpoint_s"] > 0 and summary["restore_s"] > 0
     assert set(report.per_participant) == {
         "environment/ref-environment",
