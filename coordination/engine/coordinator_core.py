@@ -313,6 +313,9 @@ class CoordinatorCore:
         # `coordinator_epoch`); only those are sent one, as NeMo Gym's
         # participants refuse a body with a field they do not know.
         self._takes_epoch: dict[str, Host] = {}
+        # Member key -> the host whose status was read (taking epochs or not);
+        # one unreachable at registration is asked again before the next opening.
+        self._epoch_known: dict[str, Host] = {}
         self.journal: JournalStore = journal or Journal(None)
         # The last close's journal clear, still running: the next journal
         # write or read waits for it (`settle_journal`).
@@ -446,10 +449,29 @@ class CoordinatorCore:
     # --- the epoch (`coordination.engine.epoch`) -------------------------------------
     def _learn_epoch(self, host: Host, status: Mapping[str, Any] | None) -> None:
         """Whether `host` takes epochs, from its status at registration."""
+        if status is not None:
+            self._epoch_known[host.member.key] = host
         if status is not None and "coordinator_epoch" in status:
             self._takes_epoch[host.member.key] = host
         elif self._takes_epoch.get(host.member.key) is host:
             del self._takes_epoch[host.member.key]
+
+    async def _learn_epochs(self, hosts: Iterable[Host]) -> None:
+        """Read the status of the members no status was read of yet (each was
+        unreachable at registration, a slow start say): unasked, one that
+        takes epochs would be sent none, and so not fenced by them."""
+        if self.epoch is None:
+            return
+        unknown = [h for h in hosts if self._epoch_known.get(h.member.key) is not h]
+
+        async def one(host: Host) -> None:
+            try:
+                status = await asyncio.wait_for(host.status(), self.timeouts.status_s)
+            except Exception:
+                return  # still unknown: asked again before the next opening
+            self._learn_epoch(host, as_mapping(status))
+
+        await asyncio.gather(*(one(h) for h in unknown))
 
     def stamped(self, host: Host, body: Mapping[str, Any]) -> Mapping[str, Any]:
         """`body` as sent to `host`: with this coordinator's epoch if it takes one."""
@@ -761,6 +783,7 @@ class CoordinatorCore:
         await self.pending.settle()
         # A superseded coordinator pauses nobody (nothing opened yet).
         await self.confirm_epoch("opening a checkpoint")
+        await self._learn_epochs(self.hosts.values())
         self.baseline.check(self.hosts, trigger)
         if checkpoint_dir is not None:
             await self._guard_directory(checkpoint_dir)
@@ -1460,6 +1483,7 @@ class CoordinatorCore:
         if self.open is not None:
             raise CheckpointConflict(f"checkpoint {self.open.checkpoint_id} is open")
         await self.confirm_epoch("opening a restore")
+        await self._learn_epochs(self.hosts.values())
         # Taken before the manifest read (an await): whoever registers meanwhile
         # is not part of this restore.
         roster = dict(self.hosts)

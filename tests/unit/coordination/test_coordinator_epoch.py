@@ -221,3 +221,19 @@ async def test_a_failing_epoch_store_counts_as_stale_and_leaves_latest_alone(
     before = list(fleet.latests)
     await fleet.core._write_latest("/root/ck2", "ckpt-x")
     assert fleet.latests == before
+
+
+async def test_a_member_unreachable_at_registration_is_asked_before_the_next_opening(
+    fleet: Fleet,
+) -> None:
+    """A slow start: its status did not answer when it was registered, so
+    whether it takes epochs was unknown; it is asked before the next
+    checkpoint opens, and fenced from then on."""
+    fleet.core.epoch = MemoryEpochs().epoch()
+    slow = fleet.add("environment/slow", register=False)
+    slow.dead = True
+    await fleet.core.register_checked(slow)  # unreachable: registered unchecked
+    slow.dead = False
+    await fleet.core.checkpoint("/root/ck")
+    assert {b.get("coordinator_epoch") for o, b in slow.calls if o == "prepare"} == {1}
+    assert fleet.ctrls["environment/slow"].status()["coordinator_epoch"] == 1
