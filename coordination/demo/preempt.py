@@ -121,7 +121,9 @@ async def run_preempt(opts: Any, ui: Ui, local: LocalRay) -> tuple[dict[str, Any
             if state is not None:
                 # The checkpoint the driver's state was read from, not
                 # `latest` asked again: the two must be one point in time.
-                cont = await resume_stopped_run(handle, session, env, picked, state, rollouts)
+                # The main run's phases, with their progress bars.
+                with ui.phase("restore into a fresh fleet", total=None):
+                    cont = await resume_stopped_run(handle, session, env, picked, state, rollouts)
                 out.update(
                     resumed_from=cont.checkpoint_dir,
                     resumed_checkpoint_id=cont.checkpoint_id,
@@ -168,7 +170,10 @@ async def run_preempt(opts: Any, ui: Ui, local: LocalRay) -> tuple[dict[str, Any
                 seen = await wait_for_mixed_work(fleet, rollouts, 20.0)
                 out["in_flight"] = seen
                 say(f"in flight: {seen.get('episodes', 0)} episodes, send SIGTERM or SIGUSR1")
-            await _until_done_or_stopped(rollouts, stopped)
+            label = "continued rollouts" if state is not None else "rollouts"
+            with ui.phase(label, total=len(rollouts.unfinished())) as advance:
+                rollouts.on_event = lambda _e, _r: advance()
+                await _until_done_or_stopped(rollouts, stopped)
             if checkpointing is not None:
                 # A signal that came as the last rollouts finished: its
                 # checkpoint is still running; report it, never drop it.

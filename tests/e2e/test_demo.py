@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from coordination.demo import DemoOptions, run_demo
@@ -74,6 +77,7 @@ async def test_demo_continues_every_rollout_and_equals_the_uninterrupted_run(
         names = [e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == tid]
         assert names[:2] == ["prepare", "commit"], (row, names)
         assert {"capture", "write", "release", "resume"} <= set(names), (row, names)
+    _same_numbers_as_inspect_and_list(summary, tmp_path)
 
 
 async def test_demo_with_asynchronous_durability_reports_both_times(
@@ -99,3 +103,16 @@ async def test_demo_with_asynchronous_durability_reports_both_times(
     assert summary["durability"] == "async"
     assert 0 < summary["resumed_s"] <= summary["durable_s"]
     assert (tmp_path / "ckpt" / "gym" / "_manifest.json").exists()
+    _same_numbers_as_inspect_and_list(summary, tmp_path)
+
+
+def _same_numbers_as_inspect_and_list(summary: dict[str, Any], root: Path) -> None:
+    """One number per fact: the demo's checkpoint size and episode count are
+    the ones `inspect` and `list` give for its directory (sync and async)."""
+    from coordination.cli.inspect import inspect_checkpoint
+    from coordination.engine.roots import list_root
+
+    inspected = inspect_checkpoint(str(root / "ckpt"))
+    listed = {e.name: e for e in list_root(str(root))}["ckpt"]
+    assert summary["bytes"] == inspected.bytes == listed.bytes > 0
+    assert summary["checkpoint_episodes"] == inspected.episodes == listed.episodes > 0
