@@ -134,6 +134,10 @@ class ParticipantEngine:
         self.coordinator_epoch: int | None = None
         # Control calls refused as fenced, by code (`FENCING_REASONS`).
         self.fenced: Counter[str] = Counter()
+        # The epoch of the call that opened the checkpoint or restore open now
+        # (None: opened by a call without one); a newer coordinator's call
+        # ends it (`_supersede`).
+        self._opened_by: int | None = None
         participant.bind(self.notify)
 
     # --- plumbing ----------------------------------------------------------
@@ -185,7 +189,8 @@ class ParticipantEngine:
                 )
             else:
                 req = decode_request(op, body)
-                self.admit_epoch(op, req.coordinator_epoch)
+                if self.admit_epoch(op, req.coordinator_epoch):
+                    await self._supersede(req.checkpoint_id)
             handler = getattr(self, op)
             reply: dict[str, Any] = await handler(req)
             return reply
@@ -194,7 +199,7 @@ class ParticipantEngine:
                 self.fenced[exc.code] += 1
             raise
 
-    def admit_epoch(self, op: str, epoch: int | None) -> None:
+    def admit_epoch(self, op: str, epoch: int | None) -> bool:
         """The epoch rule: a call carrying an epoch older than the newest one
         seen is refused (`StaleCoordinator`), before anything else is looked
         at; an equal or newer one is admitted and becomes the newest; a call
@@ -202,9 +207,10 @@ class ParticipantEngine:
 
         Checked and raised without an await in between, so no call of an
         older coordinator starts once a newer one's call has arrived (one
-        already running finishes, as any call the lock orders before)."""
+        already running finishes, as any call the lock orders before).
+        True when `epoch` is newer than every one seen before."""
         if epoch is None:
-            return
+            return False
         seen = self.coordinator_epoch
         if seen is not None and epoch < seen:
             raise StaleCoordinator(
@@ -212,6 +218,45 @@ class ParticipantEngine:
                 f"epoch {seen} has taken over"
             )
         self.coordinator_epoch = epoch
+        return seen is None or epoch > seen
+
+    async def _supersede(self, checkpoint_id: str) -> None:
+        """A newer coordinator's first call: a checkpoint or restore an older
+        one opened here (and not this call's) is ended now, as its lease
+        lapsing would end it.  Its coordinator can neither finish nor resume
+        it any more (every call of its is refused), so waiting for the lease
+        would only keep admission closed and the newer coordinator's own
+        prepare refused (`checkpoint_conflict`) that long.  A checkpoint the
+        newer coordinator knows of (its recovery's resume names it) is ended
+        by that resume instead.  An asynchronous commit captured for it is
+        discarded: it can never be published."""
+        async with self._lock:
+            cid = self.state.checkpoint_id
+            opened_by = self._opened_by
+            newest = self.coordinator_epoch
+            if cid is None or cid == checkpoint_id or opened_by is None or newest is None:
+                return
+            if opened_by >= newest:
+                return
+            log.warning(
+                "%s/%s: checkpoint %s of coordinator epoch %d ended: epoch %d has taken over",
+                self.kind,
+                self.instance,
+                cid,
+                opened_by,
+                newest,
+            )
+            await self._end_open()
+            await self._background.discard(cid)
+
+    async def _end_open(self) -> None:
+        """End the open checkpoint or restore as a lapsed lease does (lock held)."""
+        if self.state.phase is Phase.RESTORED:
+            # Nobody will retry or resume this restore: stop an install
+            # still running and free what no restore call answered for,
+            # before admission reopens.
+            await self._restores.abandon()
+        await self._apply(self.state.fire(Event.LEASE_EXPIRED))
 
     @property
     def writes_in_flight(self) -> int:
@@ -273,6 +318,7 @@ class ParticipantEngine:
             # is not answers `preparing` with its blockers, admission closed.
             if self.state.phase is Phase.IDLE:
                 transition = self.state.fire(Event.PREPARE, cid)
+                self._opened_by = req.coordinator_epoch
                 try:
                     await self._apply(transition)
                 except BaseException:
@@ -465,6 +511,7 @@ class ParticipantEngine:
             else:
                 manifest, records = await self._restores.read(req, self.store, self.clock)
                 await self._apply(self.state.fire(Event.RESTORE, cid))
+                self._opened_by = req.coordinator_epoch
                 install = self._restores.begin(req, manifest, records)
             # The lease runs from the restore's start: if the install outlives
             # this call and the coordinator goes away, the lease still resumes.
@@ -588,12 +635,7 @@ class ParticipantEngine:
             log.warning(
                 "%s/%s: lease of checkpoint %s expired; resuming", self.kind, self.instance, cid
             )
-            if self.state.phase is Phase.RESTORED:
-                # Nobody will retry or resume this restore: stop an install
-                # still running and free what no restore call answered for,
-                # before admission reopens.
-                await self._restores.abandon()
-            await self._apply(self.state.fire(Event.LEASE_EXPIRED))
+            await self._end_open()
             self._background.release()  # resumed by itself: the held write goes on
             if self.observer is not None:
                 self.observer.lease_expired()

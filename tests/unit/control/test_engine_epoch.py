@@ -13,6 +13,7 @@ import pytest
 from ray_ckpt import ManualClock
 from ray_ckpt.control.engine import ParticipantEngine
 from ray_ckpt.errors import (
+    CheckpointConflict,
     InvalidRequest,
     Reason,
     StaleCheckpoint,
@@ -114,3 +115,36 @@ async def test_stale_checkpoint_refusals_are_counted_as_fenced_too() -> None:
     with pytest.raises(StaleCheckpoint):
         await c.handle("prepare", body_t0("c1"))
     assert c.status()["fenced"] == {"stale_checkpoint": 1}
+
+
+async def test_a_newer_coordinator_ends_the_older_ones_open_checkpoint() -> None:
+    """The old coordinator's checkpoint (one the newer one's journal never
+    named) would keep admission closed and refuse the newer one's prepare
+    until its lease lapsed; the newer one's first call ends it instead."""
+    c, p, _ = make()
+    await c.handle("prepare", body_t0("old", coordinator_epoch=1))
+    assert not p.admission_open
+    reply = await c.handle("prepare", body_t0("new", coordinator_epoch=2))
+    assert reply["phase"] == "prepared"
+    assert c.status()["checkpoint_id"] == "new"
+    # Ended as a lapsed lease ends it: its ID is resumed, a late call of it stale.
+    with pytest.raises(StaleCoordinator):
+        await c.handle("commit", body_t0("old", coordinator_epoch=1, checkpoint_dir="/x"))
+    with pytest.raises(StaleCheckpoint):
+        await c.handle("prepare", body_t0("old", coordinator_epoch=2))
+
+
+async def test_the_newer_coordinators_own_checkpoint_and_epochless_ones_are_kept() -> None:
+    c, p, _ = make()
+    # Opened by the newer epoch itself: its later calls never end it.
+    await c.handle("prepare", body_t0("c1", coordinator_epoch=2))
+    await c.handle("renew", body_t0("c1", coordinator_epoch=2))
+    assert c.status()["checkpoint_id"] == "c1"
+    # The recovery's resume of the old checkpoint ends it by resuming it.
+    await c.handle("resume", body_t0("c1", coordinator_epoch=3))
+    # Opened without an epoch (NeMo Gym's controller): never superseded.
+    await c.handle("prepare", body_t0("nemo"))
+    with pytest.raises(CheckpointConflict):
+        await c.handle("prepare", body_t0("c2", coordinator_epoch=4))
+    assert c.status()["checkpoint_id"] == "nemo"
+    assert not p.admission_open
