@@ -388,7 +388,132 @@ async def restore_cut(run: Run) -> dict[str, Any]:
     return out
 
 
+async def fencing(fleet: Fleet) -> dict[str, Any]:
+    """Each host's newest coordinator epoch and its fenced calls, by kind."""
+    out: dict[str, Any] = {}
+    for kind, host in fleet.ordered():
+        status = await asyncio.wait_for(host.status.remote(), 10.0)
+        out[kind] = {"epoch": status.get("coordinator_epoch"), "fenced": status.get("fenced", {})}
+    return out
+
+
+async def until_file_open(checkpoint_dir: str, kind: str, timeout_s: float = 30.0) -> None:
+    """The kind's temporary records file exists: its write is under way."""
+    pdir = Path(checkpoint_dir) / "gym" / kind
+
+    async def open_tmp() -> bool:
+        return pdir.exists() and any(p.name.endswith(".tmp") for p in pdir.rglob("*"))
+
+    await until(open_tmp, f"a write of {kind} into {checkpoint_dir}", timeout_s)
+
+
+async def coordinator_cut(run: Run, *, mid_checkpoint: bool) -> dict[str, Any]:
+    """The coordinator's node is cut.  Ray restarts the coordinator on the
+    other worker with a newer epoch, while the old one still runs.
+
+    Mid-checkpoint: the environment's write into c2 is held, so the old
+    coordinator is waiting on its commit when it is cut off; the new one
+    recovers from the journal and aborts c2 (every host resumes long before
+    its lease); after the heal the write is let go, the old coordinator's
+    late work meets participants that have seen the newer epoch, and c2
+    never becomes LATEST.  Idle: the new coordinator checkpoints as before.
+    Either way the rollouts finish exactly once with the uninterrupted results."""
+    from tests.e2e.test_crash_matrix import stalls
+
+    expected = await run.kit.baseline(run.config, N, STEPS, SEED)
+    gym = run.coordinator()
+    home = run.name_of(await node_of(gym.actor))
+    other = next(n for n in ("b", "c") if n != home)
+    gate = str(Path(run.root).parent / "gate")
+    with stalls("environment", gate=gate, write_dir="c2"):
+        fleet = await run.launch(edge=other, core="a")
+    gym.discover()
+    rollouts, tally = run.kit.rollouts(N, STEPS, SEED)
+    async with data_session(256, 256) as session:
+        for r in rollouts.tasks:
+            rollouts.start(session, fleet.urls["environment"], r)
+        await stats_until(fleet, past_seed(rollouts), "every rollout past its seed step")
+        first = await run.checkpoint(gym, "c1", rollouts.unfinished())
+        assert first["outcome"] == "ok", first
+        old_epoch = (await gym.astatus()).epoch
+        run.event("old coordinator", node=home, epoch=old_epoch)
+
+        pending: asyncio.Future[Any] | None = None
+        if mid_checkpoint:
+            pending = asyncio.ensure_future(
+                gym.acheckpoint(run.location("c2"), rollouts.unfinished())
+            )
+            await until_file_open(run.location("c2"), "environment")
+            run.event("c2 open: the environment's write held")
+        await ask(fault="cut", node=home)
+        run.event("cut", node=home)
+        detected = await run.until_dead(home)
+        run.event("declared dead", node=home, after_s=round(detected, 2))
+        if pending is not None:
+            try:
+                await pending
+                outcome = "ok"
+            except Exception as exc:  # the actor died under the call
+                outcome = getattr(exc, "code", type(exc).__name__)
+            run.checkpoints.append({"name": "c2", "outcome": outcome})
+            run.event("c2 through the old coordinator", outcome=outcome)
+
+        async def restarted() -> bool:
+            try:
+                status = await asyncio.wait_for(gym.astatus(), 5.0)
+            except Exception:
+                return False
+            return status.epoch is not None and old_epoch is not None and status.epoch > old_epoch
+
+        await until(restarted, "the coordinator restarted with a newer epoch", 60.0)
+        new_epoch = (await gym.astatus()).epoch
+        new_home = run.name_of(await node_of(gym.actor))
+        run.event("new coordinator", node=new_home, epoch=new_epoch)
+        # The open checkpoint (if any) is aborted: every host idle, long before its lease.
+        kinds = ("environment", "model", "agent", "resources")
+        await until(lambda: _all_idle(fleet, kinds), "every host resumed", timeout_s=LEASE_S)
+        run.event("all idle")
+
+        heal_after = run.rng.uniform(0.5, 2.0)
+        await asyncio.sleep(heal_after)
+        await ask(fault="heal", node=home)
+        run.event("healed", node=home, after_s=round(heal_after, 2))
+        # The held write goes on; its reply goes to the old coordinator.
+        await asyncio.to_thread(Path(gate).write_text, "go")
+        gone = await ask(fault="wait_gone", node=home)
+        run.event("old coordinator's node ended", **gone)
+        seen = await fencing(fleet)
+        run.event("fencing", **seen)
+
+        third = await run.checkpoint(gym, "c3", rollouts.unfinished())
+        seen_end = await fencing(fleet)
+        await rollouts.wait(timeout_s=120)
+
+    out = run.summary(rollouts, tally, expected)
+    out.update(
+        old_epoch=old_epoch,
+        new_epoch=new_epoch,
+        moved=(home, new_home),
+        fencing=seen,
+        fencing_end=seen_end,
+        detected_s=detected,
+        third=third,
+        fenced_total=sum(sum(v["fenced"].values()) for v in seen.values()),
+    )
+    return out
+
+
+async def coordinator_cut_mid_checkpoint(run: Run) -> dict[str, Any]:
+    return await coordinator_cut(run, mid_checkpoint=True)
+
+
+async def coordinator_cut_idle(run: Run) -> dict[str, Any]:
+    return await coordinator_cut(run, mid_checkpoint=False)
+
+
 SCENARIOS: dict[str, Callable[[Run], Awaitable[dict[str, Any]]]] = {
+    "coordinator_cut_mid_checkpoint": coordinator_cut_mid_checkpoint,
+    "coordinator_cut_idle": coordinator_cut_idle,
     "participant_cut": participant_cut,
     "lossy_link": lossy_link,
     "restore_cut": restore_cut,

@@ -7,6 +7,8 @@ invariants (`invariants.check`) and the scenario's own promises.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from tests.partitions.conftest import Cluster
@@ -44,3 +46,35 @@ def test_node_cut_during_restore(cluster: Cluster, root: str) -> None:
     check(s)
     assert s["restore_during_cut"] != "ok", s["events"]
     assert s["continued"], s["events"]
+
+
+def _coordinator_moved_and_fenced(s: dict[str, Any]) -> None:
+    home, new_home = s["moved"]
+    assert new_home != home, "Ray restarted the coordinator on another node"
+    assert s["new_epoch"] > s["old_epoch"], (s["old_epoch"], s["new_epoch"])
+    # Every host has seen the newer epoch by the next checkpoint: the old
+    # coordinator is refused there from then on.
+    assert {v["epoch"] for v in s["fencing_end"].values()} == {s["new_epoch"]}, s["fencing_end"]
+    assert s["third"]["outcome"] == "ok", s["third"]
+    assert s["latest"]["name"] == "c3"
+
+
+def test_coordinator_node_cut_mid_checkpoint(cluster: Cluster, root: str) -> None:
+    s = cluster.drive("coordinator_cut_mid_checkpoint", root, seed=4)
+    check(s)
+    _coordinator_moved_and_fenced(s)
+    # The new coordinator's recovery aborted c2 with calls carrying its epoch:
+    # every host had seen it before the heal.
+    assert {v["epoch"] for v in s["fencing"].values()} == {s["new_epoch"]}, s["fencing"]
+    # After the heal the old coordinator's late calls reached the hosts and were
+    # refused (stale_coordinator), and its open checkpoint never became complete
+    # or LATEST.
+    refused = {k: v["fenced"].get("stale_coordinator", 0) for k, v in s["fencing"].items()}
+    assert sum(refused.values()) >= 1, s["events"]
+    assert not s["verified"]["c2"]
+
+
+def test_coordinator_node_cut_while_idle(cluster: Cluster, root: str) -> None:
+    s = cluster.drive("coordinator_cut_idle", root, seed=5)
+    check(s)
+    _coordinator_moved_and_fenced(s)
