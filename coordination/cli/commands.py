@@ -278,19 +278,29 @@ def _checkpoint_async(
     help="Accept a DIRECTORY with no gym/_manifest.json (as NeMo Gym's controller writes): "
     "restore from the participant manifests once each is there, complete, of one checkpoint.",
 )
+@click.option(
+    "--relaunch",
+    is_flag=True,
+    help="First replace every registered host with a fresh one (same spec, node and port; "
+    "detached): a restore installs only into fresh processes.",
+)
 @cluster_options
 def restore(
     directory: str,
     episodes: tuple[str, ...],
     latest: bool,
     without_gym_manifest: bool,
+    relaunch: bool,
     address: str,
     namespace: str,
     as_json: bool,
 ) -> None:
     """Restore a fresh fleet from DIRECTORY, all or nothing."""
+    relaunched: dict[str, str] = {}
     try:
         _location_to_restore(directory, latest)
+        if relaunch:
+            relaunched = _relaunch(address, namespace, directory, latest, without_gym_manifest)
         keys = list(episodes)
         if latest:
             # The coordinator picks the checkpoint and, without --episode, its episodes.
@@ -309,8 +319,11 @@ def restore(
     except CheckpointError as exc:
         fail(exc, as_json)
     if as_json:
-        emit(res)
+        # With --relaunch: the result's keys plus `relaunched` (member → URL).
+        emit({**msgspec.to_builtins(res), "relaunched": relaunched} if relaunch else res)
         return
+    for who, url in sorted(relaunched.items()):
+        click.echo(f"relaunched {who} at {url}")
     total = sum(len(v) for v in res.restored.values())
     click.echo(
         f"restored {total} episode attempts from {res.source_checkpoint_id} "
@@ -321,6 +334,29 @@ def restore(
         click.echo(line)
     for who, why in sorted(res.resume_failures.items()):
         click.echo(f"  not resumed (its lease will lapse): {who}: {why.get('detail')}", err=True)
+
+
+def _relaunch(
+    address: str, namespace: str, directory: str, latest: bool, without_gym_manifest: bool
+) -> dict[str, str]:
+    """The fresh Gym a restore needs, after what can be checked without it:
+    the checkpoint's episodes are read first, so a bad directory stops
+    nothing."""
+    import asyncio
+    import concurrent.futures
+
+    from coordination.cli.ops import relaunch_registered
+
+    if not latest:
+        _checkpointed_episodes(directory, without_gym_manifest)
+    gym = _connect(address, namespace)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(relaunch_registered(gym, namespace))
+    # Called from inside an event loop (a program driving the CLI in process).
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, relaunch_registered(gym, namespace)).result()
 
 
 def _location_to_restore(directory: str, latest: bool) -> None:

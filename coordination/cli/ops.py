@@ -10,6 +10,7 @@ warns when it was created with other options.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import click
@@ -110,6 +111,49 @@ def _unavailable(address: str, why: str) -> CliError:
         ExitCode.UNAVAILABLE,
         hint="start Ray (`ray start --head`) or pass --address of a running cluster",
     )
+
+
+# --- a fresh Gym for a restore ------------------------------------------------------
+
+
+async def relaunch_registered(gym: Any, namespace: str) -> dict[str, str]:
+    """Replace every registered host with a fresh one: same spec, same node,
+    same port (so the servers' URLs, wired into each other at launch, hold),
+    detached (it outlives this command).  member → its URL.
+
+    All are checked before any is stopped: a member that is no host actor of
+    ours (an HTTP-registered or sidecar server: only its own launcher can
+    restart it) refuses the whole relaunch (`CliError`, conflict)."""
+    import urllib.parse
+
+    import msgspec
+    import ray
+
+    from ray_ckpt.hosting.host import relaunch_host, stop_host
+
+    plan: list[tuple[str, Any, Any, str]] = []
+    for key in sorted(await gym.adiscover()):
+        try:
+            old = await asyncio.to_thread(ray.get_actor, key, namespace=namespace)
+            info = await old.ready.remote()
+            spec = await old.server_spec.remote()
+        except Exception as exc:
+            raise CliError(
+                f"cannot relaunch {key}: not a host actor started from a spec "
+                f"({type(exc).__name__}); nothing was stopped",
+                ExitCode.CONFLICT,
+                hint="restart that server yourself, then run the restore without --relaunch",
+            ) from exc
+        port = urllib.parse.urlsplit(str(info["url"])).port or 0
+        plan.append((key, old, msgspec.structs.replace(spec, port=port), str(info["node_id"])))
+    for _key, old, _spec, _node in plan:
+        await stop_host(old)
+    urls: dict[str, str] = {}
+    for key, _old, spec, node in plan:
+        new = await relaunch_host(spec, namespace=namespace, node_id=node, lifetime="detached")
+        urls[key] = str((await new.ready.remote())["url"])
+    await gym.adiscover()
+    return urls
 
 
 @click.command()

@@ -85,8 +85,8 @@ HINTS: dict[ExitCode, str] = {
 REASON_HINTS: dict[Reason, str] = {
     Reason.INVALID_CHECKPOINT_STATE: "check the directory with `ray-ckpt inspect DIR` "
     "(a root of checkpoints: `ray-ckpt list ROOT`, or `restore ROOT --latest`)",
-    Reason.NOT_FRESH: "restore into a fresh Gym: restart the named hosts (new processes), "
-    "then run the restore again",
+    Reason.NOT_FRESH: "restore into a fresh Gym: `ray-ckpt restore DIR --relaunch` "
+    "replaces the registered hosts first",
     Reason.RESTART_IN_SCOPE: "drop --strict, or leave those episodes out of --scope",
     Reason.UNKNOWN_RECEIPT: "list the held results with `ray-ckpt collect --json`",
     Reason.RESULT_HELD: "collect and ack the held result (`ray-ckpt collect`, `ray-ckpt ack`)",

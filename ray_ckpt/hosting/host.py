@@ -159,6 +159,11 @@ class ParticipantHost(NamedControlOps):
             "spreading": self.spec.spreading,
         }
 
+    async def server_spec(self) -> ServerSpec:
+        """The spec this host was started from (`ray-ckpt restore --relaunch`
+        starts a fresh host from it)."""
+        return self.spec
+
     async def status(self) -> dict[str, Any]:
         await self._ready()
         status = self._controller().status()
@@ -232,8 +237,10 @@ def host_actor_options(
     get_if_exists: bool = True,
     max_restarts: int = 0,
     max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+    lifetime: str | None = None,
 ) -> dict[str, Any]:
-    """Ray actor options: named `<kind>/<name>` in `namespace`, pinned to a node."""
+    """Ray actor options: named `<kind>/<name>` in `namespace`, pinned to a node.
+    `lifetime="detached"`: it outlives the process that started it."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     if not namespace:
@@ -248,6 +255,7 @@ def host_actor_options(
         "scheduling_strategy": NodeAffinitySchedulingStrategy(
             node_id=node_id or current_node_id(), soft=False
         ),
+        **({"lifetime": lifetime} if lifetime is not None else {}),
     }
 
 

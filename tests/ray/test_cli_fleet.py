@@ -131,3 +131,65 @@ async def test_the_reference_fleet_from_the_shell(namespace: str, tmp_path: Path
         with contextlib.suppress(ValueError):  # the CLI's coordinator is detached
             ray.kill(ray.get_actor(COORDINATOR_NAME, namespace=namespace), no_restart=True)
         await fleet.stop()
+
+
+async def test_restore_relaunch_starts_a_fresh_gym_from_the_shell(
+    namespace: str, tmp_path: Path
+) -> None:
+    """`restore DIR --relaunch`: every registered host is replaced by a fresh
+    one (new process, same node and URL), then the restore goes in; without
+    it the same restore is refused as not fresh."""
+    import ray
+
+    from coordination.actor.actor_options import COORDINATOR_NAME
+
+    ns = ["--namespace", namespace]
+    config = FleetConfig(namespace=namespace, token="cli-relaunch", step_delay_s=0.2)
+    fleet = await launch_fleet(config)
+    names = [f"{kind}/{config.server_name(kind)}" for kind in fleet.urls]
+    call: asyncio.Task[Any] | None = None
+    try:
+        assert run("collect", *ns, "--json").exit_code == 0  # creates the coordinator
+        task = make_tasks(1, 40, seed=4)[0]
+        episode = {"episode_id": {"rollout_id": "rl-r1", "attempt": 0}, "task": task}
+        async with aiohttp.ClientSession() as http:
+            call = asyncio.ensure_future(
+                http.post(f"{fleet.urls['environment']}/run", json=episode)
+            )
+
+            def in_flight(st: dict[str, Any]) -> bool:
+                return any("rl-r1" in (p["live_keys"] or []) for p in st["participants"])
+
+            await _status_until(ns, in_flight)
+            target = str(tmp_path / "ckpt")
+            done = run("checkpoint", target, *ns, "--scope", "rl-r1", "--json")
+            assert done.exit_code == 0, done.output
+            call.cancel()
+            with contextlib.suppress(BaseException):
+                await call
+        before = {n: (await ray.get_actor(n, namespace=namespace).ready.remote()) for n in names}
+        assert run("restore", target, *ns, "--json").exit_code == 4  # a live fleet
+
+        res = run("restore", target, *ns, "--relaunch", "--json")
+        assert res.exit_code == 0, res.output
+        out = body(res)
+        assert out["relaunched"] == {n: before[n]["url"] for n in names}
+        assert "rl-r1-a1" in out["restored"][f"environment/{config.server_name('environment')}"]
+        for n in names:
+            now = await ray.get_actor(n, namespace=namespace).ready.remote()
+            assert now["pid"] != before[n]["pid"]  # a new process
+            assert (now["url"], now["node_id"]) == (before[n]["url"], before[n]["node_id"])
+        # The restored episode goes on in the relaunched Gym, URLs wired as before.
+        async with aiohttp.ClientSession() as http:
+            nxt = {"episode_id": {"rollout_id": "rl-r1", "attempt": 1}, "task": task}
+            async with http.post(f"{fleet.urls['environment']}/run", json=nxt) as resp:
+                assert resp.status == 200, await resp.text()
+                assert "result" in await resp.json()
+    finally:
+        if call is not None:
+            call.cancel()
+        for n in [*names, COORDINATOR_NAME]:  # the relaunched hosts are detached
+            with contextlib.suppress(ValueError):
+                ray.kill(ray.get_actor(n, namespace=namespace), no_restart=True)
+        with contextlib.suppress(Exception):
+            await fleet.stop(timeout_s=5)
