@@ -75,6 +75,13 @@ def attach_ray(address: str, namespace: str) -> None:
         raise _unavailable(address, str(exc)) from exc
 
 
+def check_address(address: str) -> None:
+    """Refuse (`CliError`) an address with no Ray behind it, at once; "local"
+    (start one) passes."""
+    if address != "local":
+        _probe(_resolve(address), address)
+
+
 def _resolve(address: str) -> str:
     """host:port (or a ray:// URI) of `address`; "auto" as Ray finds it."""
     if address.startswith("ray://") or address not in ("auto", ""):

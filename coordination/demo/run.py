@@ -29,7 +29,7 @@ from typing import Any
 import click
 import msgspec
 
-from coordination.cli.output import S3_HINT, CliError, ExitCode, report_error
+from coordination.cli.output import S3_HINT, CliError, ExitCode, debugging, report_error
 from coordination.demo.nodes import LocalRay, kill_coordinator, node_of, start_ray
 from coordination.demo.options import DemoOptions, fleet_config
 from coordination.demo.report import DemoReport, Ui
@@ -300,6 +300,10 @@ def demo_cli(as_json: bool, namespace: str | None, **kwargs: Any) -> None:
         # unreachable or unconfigured store (s3:// with no endpoint or
         # credentials) is refused now, nothing started.
         _check_root(opts.checkpoint_dir, write=True)
+    if opts.address is not None:
+        from coordination.cli.ops import check_address
+
+        check_address(opts.address)  # not minutes of Ray's retries
     ui = Ui(stderr=True)
     local = start_ray(opts.address, opts.namespace, opts.nodes)
     if preempt:
@@ -363,4 +367,6 @@ def demo_command_main(args: list[str]) -> int:
         return int(exc.code or 0)
     except (click.ClickException, CliError) as exc:
         return int(report_error(exc))
+    except Exception as exc:  # `python -m coordination.demo` has no group to say it
+        return int(report_error(exc, debug=debugging()))
     return 0

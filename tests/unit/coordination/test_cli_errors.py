@@ -75,6 +75,7 @@ CASES: list[tuple[list[str], ExitCode]] = [
     (["demo", "--rollouts", "0"], ExitCode.BAD_INPUT),
     (["demo", "--checkpoint-dir", "relative/dir"], ExitCode.BAD_INPUT),
     (["demo", "--resume", "latest"], ExitCode.BAD_INPUT),  # no --checkpoint-dir
+    (["demo", "--address", "{dead}"], ExitCode.UNAVAILABLE),
 ]
 
 
@@ -203,3 +204,19 @@ def test_an_unconfigured_store_is_refused_before_the_demos_first_run(
     assert "s3://bucket/run" in out.stderr
     assert "AWS_ENDPOINT_URL" in out.stderr
     assert out.stdout == ""
+
+
+def test_python_m_demo_is_one_line_too(places: dict[str, str]) -> None:
+    """`python -m coordination.demo` (as `ray job submit` runs it) has no group
+    around it: its errors are one line all the same."""
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    out = subprocess.run(
+        [sys.executable, "-m", "coordination.demo", "--address", places["dead"]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert out.returncode == ExitCode.UNAVAILABLE, out.stderr[-2000:]
+    assert out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("error (unavailable): ")
