@@ -193,3 +193,33 @@ async def test_restore_relaunch_starts_a_fresh_gym_from_the_shell(
                 ray.kill(ray.get_actor(n, namespace=namespace), no_restart=True)
         with contextlib.suppress(Exception):
             await fleet.stop(timeout_s=5)
+
+
+def test_a_real_process_attaches_quietly_and_creates_nothing(namespace: str) -> None:
+    """`ray-ckpt status` in its own process against the running cluster: Ray's
+    connect messages stay quiet, and with no coordinator the one line says
+    so (exit 3) and none is created."""
+    import os
+    import subprocess
+    import sys
+
+    import ray
+
+    from coordination.actor.actor_options import COORDINATOR_NAME
+
+    address = ray.get_runtime_context().gcs_address
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", "from coordination.demo.app import main; main()"]
+        + ["status", "--address", address, "--namespace", namespace],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert out.returncode == 3, out.stderr[-3000:]
+    assert out.stdout == ""
+    assert out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith(f"error (not found): no coordinator in namespace '{namespace}'")
+    with pytest.raises(ValueError, match="Failed to look up actor"):
+        ray.get_actor(COORDINATOR_NAME, namespace=namespace)
