@@ -743,7 +743,14 @@ class CoordinatorCore:
                 if oc.phase is P.PREPARED:
                     # Refused (the checkpoint stays prepared: commit elsewhere
                     # or resume) before any participant writes into a complete one.
-                    await self._guard_directory(checkpoint_dir)
+                    try:
+                        await self._guard_directory(checkpoint_dir)
+                    except StaleCoordinator as exc:
+                        # Superseded: this checkpoint can never be published, so
+                        # everyone is resumed now, not kept paused (and renewed)
+                        # while this coordinator runs on.
+                        await self._abort(oc, exc)
+                        raise
                     await self._clear_late_writes(oc, checkpoint_dir)
                 if scope is None and scope_source is not None:
                     scope = await self._asked_scope(oc, scope_source)
@@ -1015,7 +1022,12 @@ class CoordinatorCore:
 
     # --- the directory a checkpoint writes into -------------------------------------------
     async def _guard_directory(self, checkpoint_dir: str) -> None:
+        """The directory guard (`ready_for_checkpoint` deletes what an aborted
+        checkpoint left), only by the newest coordinator: a superseded one
+        still running would delete what the newer one is committing into
+        the same directory (a trainer's retry names the same one)."""
         if self.directory_guard is not None:
+            await self.confirm_epoch(f"clearing {checkpoint_dir}")
             await asyncio.to_thread(self.directory_guard, checkpoint_dir)
 
     @contextlib.contextmanager

@@ -8,6 +8,7 @@ or `LATEST`.
 
 from __future__ import annotations
 
+import pathlib
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -56,6 +57,7 @@ async def test_superseded_between_prepare_and_commit_never_publishes(fleet: Flee
     epochs = MemoryEpochs()
     fleet.core.epoch = epochs.epoch()
     fleet.latests.append(("/root/earlier", "ckpt-earlier"))  # what LATEST named before
+    fleet.core.directory_guard = None  # the publish's own confirm, not the guard's
     fleet.parts["environment/env"].start("r1", at_boundary=True, state={"step": 1})
     await fleet.core.prepare()
     epochs.take()  # a restarted coordinator, not yet heard from by anyone
@@ -167,6 +169,7 @@ async def test_a_superseded_coordinator_never_overwrites_the_newer_ones_journal(
     epochs = MemoryEpochs()
     old = fleet.core
     old.epoch = epochs.epoch()
+    old.directory_guard = None  # the participants' refusal, not the guard's
     await old.prepare()
     # The restarted coordinator: same journal, same participants, newer epoch.
     new = CoordinatorCore(
@@ -237,3 +240,26 @@ async def test_a_member_unreachable_at_registration_is_asked_before_the_next_ope
     await fleet.core.checkpoint("/root/ck")
     assert {b.get("coordinator_epoch") for o, b in slow.calls if o == "prepare"} == {1}
     assert fleet.ctrls["environment/slow"].status()["coordinator_epoch"] == 1
+
+
+async def test_a_superseded_coordinator_deletes_nothing_the_newer_one_commits(
+    fleet: Fleet, tmp_path: pathlib.Path
+) -> None:
+    """The directory guard deletes what an aborted checkpoint left under
+    `gym/`; run by the old coordinator on the directory a trainer's retry
+    gave the newer one, it would delete the newer one's commit under way
+    (or, racing its Gym manifest, a complete checkpoint's files)."""
+    epochs = MemoryEpochs()
+    fleet.core.epoch = epochs.epoch()
+    await fleet.core.prepare()
+    epochs.take()
+    where = tmp_path / "ck"
+    newer = where / "gym" / "environment" / "env" / "manifest.json"
+    newer.parent.mkdir(parents=True)
+    newer.write_text('{"checkpoint_id": "ckpt-newer"}')
+    with pytest.raises(StaleCoordinator, match="clearing"):
+        await fleet.core.commit(str(where))
+    assert newer.read_text() == '{"checkpoint_id": "ckpt-newer"}'
+    # Aborted, not left prepared: it can never be published.
+    assert fleet.core.open is None
+    assert set(fleet.phases().values()) == {"idle"}
