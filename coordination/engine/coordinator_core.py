@@ -371,7 +371,11 @@ class CoordinatorCore:
             open_id=lambda: self.open.checkpoint_id if self.open is not None else None,
             hosts=lambda: list(self._roster().values()),
             stamp=self.stamped,
+            confirm=lambda: self.confirm_epoch("renewing leases"),
+            superseded=self._superseded,
         )
+        # The abort `_superseded` started, kept so it is not collected mid-way.
+        self._superseding: asyncio.Task[None] | None = None
 
     # The pause state lives in `self.pauses`; these keep the engine's old names.
     @property
@@ -472,6 +476,21 @@ class CoordinatorCore:
             self._learn_epoch(host, as_mapping(status))
 
         await asyncio.gather(*(one(h) for h in unknown))
+
+    def _superseded(self, error: StaleCoordinator) -> None:
+        """The renewer found this coordinator superseded while a checkpoint
+        is open: abort it (everyone resumed, the failure recorded) rather
+        than keep participants paused that only this one still reaches.
+        Under the lock, after whatever operation holds it."""
+        oc = self.open
+
+        async def abort() -> None:
+            async with self.lock:
+                if self.open is oc and oc is not None and not oc.closed:
+                    with oc.current():
+                        await self._abort(oc, error)
+
+        self._superseding = asyncio.ensure_future(abort())
 
     def stamped(self, host: Host, body: Mapping[str, Any]) -> Mapping[str, Any]:
         """`body` as sent to `host`: with this coordinator's epoch if it takes one."""

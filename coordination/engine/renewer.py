@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from coordination.engine.calls import reply_timeout
@@ -19,7 +19,7 @@ from coordination.engine.fanout import fan_out
 from coordination.engine.host import Host
 from coordination.engine.results import Timeouts
 from ray_ckpt.clock import Clock
-from ray_ckpt.errors import CheckpointError
+from ray_ckpt.errors import CheckpointError, StaleCoordinator
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,8 @@ class LeaseRenewer:
         open_id: Callable[[], str | None],
         hosts: Callable[[], list[Host]],
         stamp: Callable[[Host, Mapping[str, Any]], Mapping[str, Any]] | None = None,
+        confirm: Callable[[], Awaitable[None]] | None = None,
+        superseded: Callable[[StaleCoordinator], None] | None = None,
     ) -> None:
         self.clock = clock
         self.timeouts = timeouts
@@ -45,6 +47,11 @@ class LeaseRenewer:
         self._hosts = hosts
         # The body as sent to one host (the coordinator's epoch added).
         self._stamp = stamp or (lambda _h, body: body)
+        # Each period the coordinator's epoch is confirmed first: a
+        # superseded coordinator renews nobody's lease, and `superseded`
+        # is told once (the engine then aborts the open checkpoint).
+        self._confirm = confirm
+        self._superseded = superseded
         self._task: asyncio.Task[None] | None = None
         # The latest deadline sent in the open checkpoint: every participant's
         # lease runs at least to it plus its grace, whatever that grace is.
@@ -78,6 +85,14 @@ class LeaseRenewer:
             floor_due = 0.0 < self._lease_floor <= now + margin_s
             if floor_due or now - last >= self.timeouts.renew_every_s:
                 last = now
+                if self._confirm is not None:
+                    try:
+                        await self._confirm()
+                    except StaleCoordinator as exc:
+                        log.warning("lease renewals of %s stopped: %s", cid, exc)
+                        if self._superseded is not None:
+                            self._superseded(exc)
+                        return
                 with contextlib.suppress(CheckpointError):
                     await self.renew()
 

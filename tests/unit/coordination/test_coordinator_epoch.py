@@ -13,6 +13,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import pytest
 
 from coordination.engine.coordinator_core import CoordinatorCore
@@ -22,7 +23,8 @@ from coordination.engine.order import Member
 from coordination.reach.hosts import FakeHost
 from ray_ckpt import EpisodeId
 from ray_ckpt.errors import CoordinationFailed, StaleCoordinator
-from tests.unit.coordination.coord_fleet import Fleet, make_fleet
+from tests.unit.coordination.coord_fleet import FAST, Fleet, make_fleet
+from tests.unit.helpers import until
 
 
 @pytest.fixture
@@ -263,3 +265,26 @@ async def test_a_superseded_coordinator_deletes_nothing_the_newer_one_commits(
     # Aborted, not left prepared: it can never be published.
     assert fleet.core.open is None
     assert set(fleet.phases().values()) == {"idle"}
+
+
+async def test_a_superseded_coordinator_stops_renewing_and_resumes_its_open_checkpoint() -> None:
+    """A split checkpoint left prepared (the trainer's commit now goes to the
+    newer coordinator): the renewer's confirm finds the newer epoch, renews
+    nobody any more and aborts it, so no participant stays paused."""
+    f = make_fleet(
+        ("environment/env", "agent/agent"),
+        timeouts=msgspec.structs.replace(FAST, renew_every_s=0.05),
+    )
+    try:
+        for host in f.hosts.values():
+            await f.core.register_checked(host)
+        epochs = MemoryEpochs()
+        f.core.epoch = epochs.epoch()
+        await f.core.prepare()
+        await until(lambda: f.events("renew"))  # renewing while current
+        epochs.take()
+        await until(lambda: f.core.open is None)
+        assert set(f.phases().values()) == {"idle"}
+        assert f.core.renewer._task is None  # renews nobody any more
+    finally:
+        await f.aclose()
