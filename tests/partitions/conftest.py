@@ -18,10 +18,10 @@ removed when the next one starts.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +34,7 @@ from tests.partitions import netbed
 REPO = Path(__file__).resolve().parents[2]
 WORKER_RESOURCES = {"worker_node": 1.0}
 DRIVER_TIMEOUT_S = 240.0
+S3_BUCKET = "ray-ckpt-partitions"
 
 
 @dataclass
@@ -46,17 +47,25 @@ class Cluster:
             self.bed.restart_node(node)
         self.dead.clear()
 
-    def drive(self, scenario: str, root: str, **args: Any) -> dict[str, Any]:
-        """Run one scenario's driver in the head's namespace; its summary."""
+    def drive(self, scenario: str, root: str, tmp: Path, **args: Any) -> dict[str, Any]:
+        """Run one scenario's driver in the head's namespace; its summary.
+        `root`: the checkpoint root (a directory or s3://); `tmp`: the test's
+        directory (gates, the driver's stderr, the summary)."""
         self.ensure_nodes()
-        payload = {"gcs": self.bed.gcs, "ip": self.bed.nodes["a"].ip, "root": root, **args}
+        payload = {
+            "gcs": self.bed.gcs,
+            "ip": self.bed.nodes["a"].ip,
+            "root": root,
+            "tmp": str(tmp),
+            **args,
+        }
         env = self.bed.env({"PYTHONPATH": str(REPO)})
         proc = self.bed.popen(
             "a",
             [sys.executable, "-m", "tests.partitions.driver", scenario, json.dumps(payload)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=open(Path(root).parent / "driver.err", "w"),  # noqa: SIM115
+            stderr=open(tmp / "driver.err", "w"),  # noqa: SIM115
             cwd=str(REPO),
             env=env,
         )
@@ -75,7 +84,7 @@ class Cluster:
                     summary = msg["summary"]
                     continue
                 if "error" in msg:
-                    err = (Path(root).parent / "driver.err").read_text()[-4000:]
+                    err = (tmp / "driver.err").read_text()[-4000:]
                     raise AssertionError(f"{scenario} failed: {msg}\n{err}")
                 answer = self.fault(msg)
                 proc.stdin.write(json.dumps(answer) + "\n")
@@ -87,12 +96,12 @@ class Cluster:
                 proc.wait()
             self.bed.heal_all()
         if summary is None:
-            err = (Path(root).parent / "driver.err").read_text()[-4000:]
+            err = (tmp / "driver.err").read_text()[-4000:]
             raise AssertionError(f"{scenario}: no summary (exit {proc.returncode})\n{err}")
         summary["faults"] = list(self.bed.log)
         self.bed.log.clear()
         # Kept beside the root: what a failed assertion abbreviates is all here.
-        (Path(root).parent / "summary.json").write_text(json.dumps(summary, indent=1))
+        (tmp / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
 
     def fault(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -157,6 +166,7 @@ def cluster() -> Iterator[Cluster]:
         bed.start_node("a", cpus=2, resources={"node_a": 1.0})
         for node in ("b", "c"):
             bed.start_node(node, cpus=2, resources={f"node_{node}": 1.0, **WORKER_RESOURCES})
+        bed.start_s3(sys.executable)
         yield Cluster(bed)
 
 
@@ -165,5 +175,10 @@ def root(tmp_path: Path) -> str:
     """The checkpoint root: the same file system every namespace sees."""
     path = tmp_path / "root"
     path.mkdir()
-    os.chmod(tmp_path, 0o755)
     return str(path)
+
+
+@pytest.fixture
+def s3_root() -> str:
+    """A fresh prefix in a bucket of the S3 endpoint in the `s` namespace."""
+    return f"s3://{S3_BUCKET}/{uuid.uuid4().hex[:12]}"

@@ -92,9 +92,15 @@ class Run:
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
     percent: int = 10  # the lossy link's drop rate
+    cut_at: dict[str, float] = field(default_factory=dict)  # node -> monotonic time of its cut
 
     def event(self, what: str, **kw: Any) -> None:
         self.events.append({"t": round(time.monotonic() - self.started, 2), "what": what, **kw})
+
+    async def cut(self, node: str) -> None:
+        await ask(fault="cut", node=node)
+        self.cut_at[node] = time.monotonic()
+        self.event("cut", node=node)
 
     def name_of(self, node_id: str) -> str:
         return next(n for n, i in self.nodes.items() if i == node_id)
@@ -141,8 +147,9 @@ class Run:
         return record
 
     async def until_dead(self, node: str, timeout_s: float = 60.0) -> float:
-        """Seconds until Ray declares `node` dead (polled from the GCS's node table)."""
-        t0 = time.monotonic()
+        """Seconds from the cut until Ray declared `node` dead (polled from the
+        GCS's node table)."""
+        t0 = self.cut_at[node]
         while time.monotonic() - t0 < timeout_s:
             alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
             if not alive.get(self.nodes[node], True):
@@ -151,11 +158,9 @@ class Run:
         raise AssertionError(f"Ray did not declare {node} dead in {timeout_s}s")
 
     def snapshot(self, name: str) -> dict[str, float]:
-        """Every file under a checkpoint directory and its mtime (to see late writes)."""
-        base = Path(self.location(name))
-        if not base.exists():
-            return {}
-        return {str(p.relative_to(base)): p.stat().st_mtime for p in base.rglob("*") if p.is_file()}
+        """Every object under a checkpoint and when it was written (to see late writes)."""
+        blobs = open_location(self.location(name))
+        return {info.key: info.modified for info in blobs.list()}
 
     def summary(self, rollouts: Rollouts, tally: Tally, expected: dict[str, str]) -> dict[str, Any]:
         blobs = open_location(self.root)
@@ -231,8 +236,7 @@ async def participant_cut(run: Run) -> dict[str, Any]:
         assert first["outcome"] == "ok", first
 
         await gym.aprepare()
-        await ask(fault="cut", node=edge)
-        run.event("cut", node=edge)
+        await run.cut(edge)
         t0 = time.monotonic()
         try:
             await gym.acommit(run.location("c2"), rollouts.unfinished())
@@ -350,14 +354,13 @@ async def restore_cut(run: Run) -> dict[str, Any]:
         await rollouts.abandon()
         fleet.kill()
 
-        gate = str(Path(run.root).parent / "gate-never")
+        gate = str(run.kit.tmp / "gate-never")
         with stalls("environment", gate=gate, read=True):
             doomed = await run.launch(edge=edge, core="a")
         restoring = asyncio.ensure_future(gym.arestore(run.location("c1"), scope))
         # The other hosts install; the environment waits at its gate.
         await asyncio.sleep(run.rng.uniform(0.5, 1.5))
-        await ask(fault="cut", node=edge)
-        run.event("cut", node=edge)
+        await run.cut(edge)
         t0 = time.monotonic()
         try:
             await restoring
@@ -424,7 +427,7 @@ async def coordinator_cut(run: Run, *, mid_checkpoint: bool) -> dict[str, Any]:
     gym = run.coordinator()
     home = run.name_of(await node_of(gym.actor))
     other = next(n for n in ("b", "c") if n != home)
-    gate = str(Path(run.root).parent / "gate")
+    gate = str(run.kit.tmp / "gate")
     with stalls("environment", gate=gate, write_dir="c2"):
         fleet = await run.launch(edge=other, core="a")
     gym.discover()
@@ -445,8 +448,7 @@ async def coordinator_cut(run: Run, *, mid_checkpoint: bool) -> dict[str, Any]:
             )
             await until_file_open(run.location("c2"), "environment")
             run.event("c2 open: the environment's write held")
-        await ask(fault="cut", node=home)
-        run.event("cut", node=home)
+        await run.cut(home)
         detected = await run.until_dead(home)
         run.event("declared dead", node=home, after_s=round(detected, 2))
         if pending is not None:
@@ -520,6 +522,24 @@ SCENARIOS: dict[str, Callable[[Run], Awaitable[dict[str, Any]]]] = {
 }
 
 
+def make_bucket(bucket: str, timeout_s: float = 60.0) -> None:
+    """The bucket on the endpoint in the S3 namespace (it may still be starting)."""
+    import boto3  # type: ignore[import-untyped]
+
+    client = boto3.client("s3")  # AWS_ENDPOINT_URL and keys: the nodes' env
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.create_bucket(Bucket=bucket)
+            return
+        except client.exceptions.BucketAlreadyOwnedByYou:
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 async def main(scenario: str, args: dict[str, Any]) -> None:
     namespace = f"part-{scenario}-{os.getpid()}"
     ray.init(
@@ -530,7 +550,9 @@ async def main(scenario: str, args: dict[str, Any]) -> None:
         logging_level=logging.WARNING,
     )
     root = args["root"]
-    kit = E2E(namespace, Path(root).parent)
+    if root.startswith("s3://"):
+        await asyncio.to_thread(make_bucket, root.split("/")[2])
+    kit = E2E(namespace, Path(args["tmp"]))
     config = kit.config(suffix=scenario.replace("_", "-"), lease_grace_seconds=LEASE_S)
     run = Run(scenario, namespace, root, random.Random(args["seed"]), kit, config)
     run.percent = int(args.get("percent", run.percent))

@@ -55,6 +55,16 @@ RAY_DETECTION_ENV = {
     "RAY_gcs_rpc_server_reconnect_timeout_s": "30",
 }
 
+# The S3 endpoint (moto) in its own namespace; every node and the driver reach it there.
+S3_PORT = 5000
+S3_ENV = {
+    "AWS_ENDPOINT_URL": f"http://{SUBNET}.{NODE_NUMBERS['s']}:{S3_PORT}",
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_REGION": "us-east-1",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_ALLOW_HTTP": "true",
+}
 RAY_QUIET = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0"}
 
 
@@ -257,6 +267,7 @@ class Bed:
         # No token auth between these nodes (Ray turns it on for `ray start --head`):
         # every address is inside namespaces this bed made.
         env.update(RAY_QUIET)
+        env.update(S3_ENV)
         env["RAY_AUTH_MODE"] = "disabled"
         # The rest of the suite sets it to 0 (one loopback node); these nodes
         # are several, each on its own address.
@@ -296,6 +307,17 @@ class Bed:
             raise BedError(f"ray start on {node} failed: {proc.stderr[-2000:]}")
         self.nodes[node] = Node(node, ns, ip, temp_dir, dict(resources), cpus)
         return self.nodes[node]
+
+    def start_s3(self, python: str) -> subprocess.Popen[bytes]:
+        """moto's S3 server in the `s` namespace (ended with it at teardown)."""
+        self.add_namespace("s")
+        ip = f"{SUBNET}.{NODE_NUMBERS['s']}"
+        argv = ["ip", "netns", "exec", self.ns("s"), python, "-m", "moto.server"]
+        return subprocess.Popen(
+            [*argv, "-H", ip, "-p", str(S3_PORT)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
     def restart_node(self, node: str) -> None:
         """A node Ray declared dead stays dead: its processes end, a new raylet joins."""

@@ -7,6 +7,7 @@ invariants (`invariants.check`) and the scenario's own promises.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,8 +18,7 @@ from tests.partitions.invariants import check
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-def test_participant_node_cut_mid_checkpoint(cluster: Cluster, root: str) -> None:
-    s = cluster.drive("participant_cut", root, seed=1)
+def _participant_cut(s: dict[str, Any]) -> None:
     check(s)
     # The checkpoint open at the cut failed typed; nothing of it verifies.
     assert s["commit_during_cut"] != "ok", s["events"]
@@ -30,19 +30,31 @@ def test_participant_node_cut_mid_checkpoint(cluster: Cluster, root: str) -> Non
     # A checkpoint after the heal completes and becomes LATEST.
     assert s["third"]["outcome"] == "ok", s["third"]
     assert s["latest"]["name"] == "c3"
+    # Once healed, the node Ray declared dead ends its processes, the zombie servers too.
     gone = [e for e in s["events"] if e["what"] == "zombie processes gone"]
     assert gone, s["events"]
     assert gone[0]["gone"], gone
 
 
-def test_lossy_link_across_checkpoints(cluster: Cluster, root: str) -> None:
-    s = cluster.drive("lossy_link", root, seed=2, percent=10)
+def test_participant_node_cut_mid_checkpoint(cluster: Cluster, root: str, tmp_path: Path) -> None:
+    _participant_cut(cluster.drive("participant_cut", root, tmp_path, seed=1))
+
+
+def test_participant_node_cut_with_s3_storage(
+    cluster: Cluster, s3_root: str, tmp_path: Path
+) -> None:
+    """The same cut with the checkpoints in S3 (moto in its own namespace)."""
+    _participant_cut(cluster.drive("participant_cut", s3_root, tmp_path, seed=6))
+
+
+def test_lossy_link_across_checkpoints(cluster: Cluster, root: str, tmp_path: Path) -> None:
+    s = cluster.drive("lossy_link", root, tmp_path, seed=2, percent=10)
     check(s)
     assert s["after"]["outcome"] == "ok", s["after"]
 
 
-def test_node_cut_during_restore(cluster: Cluster, root: str) -> None:
-    s = cluster.drive("restore_cut", root, seed=3)
+def test_node_cut_during_restore(cluster: Cluster, root: str, tmp_path: Path) -> None:
+    s = cluster.drive("restore_cut", root, tmp_path, seed=3)
     check(s)
     assert s["restore_during_cut"] != "ok", s["events"]
     assert s["continued"], s["events"]
@@ -59,8 +71,8 @@ def _coordinator_moved_and_fenced(s: dict[str, Any]) -> None:
     assert s["latest"]["name"] == "c3"
 
 
-def test_coordinator_node_cut_mid_checkpoint(cluster: Cluster, root: str) -> None:
-    s = cluster.drive("coordinator_cut_mid_checkpoint", root, seed=4)
+def test_coordinator_node_cut_mid_checkpoint(cluster: Cluster, root: str, tmp_path: Path) -> None:
+    s = cluster.drive("coordinator_cut_mid_checkpoint", root, tmp_path, seed=4)
     check(s)
     _coordinator_moved_and_fenced(s)
     # The new coordinator's recovery aborted c2 with calls carrying its epoch:
@@ -74,7 +86,7 @@ def test_coordinator_node_cut_mid_checkpoint(cluster: Cluster, root: str) -> Non
     assert not s["verified"]["c2"]
 
 
-def test_coordinator_node_cut_while_idle(cluster: Cluster, root: str) -> None:
-    s = cluster.drive("coordinator_cut_idle", root, seed=5)
+def test_coordinator_node_cut_while_idle(cluster: Cluster, root: str, tmp_path: Path) -> None:
+    s = cluster.drive("coordinator_cut_idle", root, tmp_path, seed=5)
     check(s)
     _coordinator_moved_and_fenced(s)
