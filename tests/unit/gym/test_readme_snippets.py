@@ -89,3 +89,18 @@ def test_the_settings_block_loads() -> None:
     assert block is not None
     settings = settings_from_dict(yaml.safe_load(block.group(1)))
     assert settings.enabled
+
+
+def test_ci_runs_the_readmes_test_command_and_the_first_command_installs_no_extra() -> None:
+    """The README's two commands: the first installs the project alone (what
+    the demo needs), the second is the line `.ci/run` runs; the getting
+    started page shows the same two."""
+    bash = re.compile(r"```bash\n(.*?)```", re.S)
+    first, test = (b.strip() for b in bash.findall((ROOT / "README.md").read_text())[:2])
+    assert first == "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/ray-ckpt demo"
+    assert test in (ROOT / ".ci" / "run").read_text().splitlines()
+    assert "pytest" in test
+    assert bash.findall((DOCS / "guide" / "getting-started.md").read_text())[:2] == [
+        first + "\n",
+        test + "\n",
+    ]
