@@ -8,10 +8,13 @@ controller sends none -- is admitted as before.
 
 from __future__ import annotations
 
+import aiohttp
 import pytest
 
 from ray_ckpt import ManualClock
+from ray_ckpt.control.client import ControlClient
 from ray_ckpt.control.engine import ParticipantEngine
+from ray_ckpt.control.routes import CHECKPOINT_ROUTE_PREFIX, control_app
 from ray_ckpt.errors import (
     CheckpointConflict,
     InvalidRequest,
@@ -21,6 +24,7 @@ from ray_ckpt.errors import (
     error_from_code,
 )
 from ray_ckpt.settings import CheckpointSettings
+from tests.unit.conftest import Serve
 from tests.unit.fakes import FakeParticipant, MemoryStore
 from tests.unit.helpers import T0, body_t0
 
@@ -148,3 +152,30 @@ async def test_the_newer_coordinators_own_checkpoint_and_epochless_ones_are_kept
         await c.handle("prepare", body_t0("c2", coordinator_epoch=4))
     assert c.status()["checkpoint_id"] == "nemo"
     assert not p.admission_open
+
+
+async def test_over_http_a_stale_epoch_is_409_stale_coordinator_and_typed_at_the_client(
+    serve: Serve,
+) -> None:
+    c, _, _ = make()
+    base = await serve(control_app(c, token="t", max_body_bytes=65536))
+    client = ControlClient(base, token="t", limit=2, limit_per_host=2)
+    try:
+        await client.call("prepare", body_t0("c1", coordinator_epoch=2))
+        status = await client.status()
+        assert status["coordinator_epoch"] == 2
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(
+                f"{base}{CHECKPOINT_ROUTE_PREFIX}/renew",
+                json=body_t0("c1", coordinator_epoch=1),
+                headers={"Authorization": "Bearer t"},
+            ) as resp,
+        ):
+            assert resp.status == 409
+            assert (await resp.json())["error"]["code"] == "stale_coordinator"
+        with pytest.raises(StaleCoordinator):
+            await client.call("resume", body_t0("c1", coordinator_epoch=1))
+        assert (await client.status())["fenced"] == {"stale_coordinator": 2}
+    finally:
+        await client.aclose()
