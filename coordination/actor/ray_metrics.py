@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from coordination.engine.metrics import DEFINITIONS, MetricSink, NullSink
-from ray_ckpt.hosting.metrics import PREFIX, SECONDS_BOUNDARIES
+from ray_ckpt.hosting.metrics import PREFIX, SECONDS_BOUNDARIES, KeptGauges
 
 
 class RaySink:
@@ -20,6 +20,7 @@ class RaySink:
 
     def __init__(self) -> None:
         self._metrics: dict[str, Any] = {}
+        self._gauges = KeptGauges()  # the last checkpoint's size stays exported
 
     def _metric(self, name: str) -> Any:
         metric = self._metrics.get(name)
@@ -48,7 +49,7 @@ class RaySink:
             if value > 0:
                 metric.inc(value, tags=dict(tags))
         else:
-            metric.set(value, tags=dict(tags))
+            self._gauges.set(metric, value, dict(tags))
 
 
 def ray_sink() -> MetricSink:

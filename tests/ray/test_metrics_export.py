@@ -106,6 +106,13 @@ async def test_a_checkpoint_and_a_restore_show_up_on_rays_prometheus_endpoint(
                 ("ray_ckpt_control_call_seconds_count", {"op": "resume", "outcome": "ok"}, 8),
             ],
         )
+        # Gauges stay exported while nothing changes: Ray's exporter drops a
+        # series not set again for a while (between 12 and 20 s here, with
+        # 2 s report intervals, measured), so wait past it.
+        await asyncio.sleep(20)
+        later = await scrape_until(ray_metrics_url, workers, [])
+        assert total(later, "ray_ckpt_last_checkpoint_bytes", trigger="periodic") is not None
+        assert total(later, "ray_ckpt_writes_in_flight") == 0
     finally:
         await fleet.stop()
     # One checkpoint, counted once; its seconds as the coordinator measured them.
