@@ -353,6 +353,7 @@ class CoordinatorCore:
         self.last_checkpoint: LastCheckpoint | None = None
         # Asynchronous checkpoints resumed and not yet published.
         self.pending = PendingWrites()
+        self._history_saves: set[asyncio.Task[None]] = set()
         # Directories a checkpoint failed in after its commit was sent: a
         # participant may still write there (a write whose reply was lost),
         # until its next prepare, which waits for that write.  A retry there
@@ -807,6 +808,7 @@ class CoordinatorCore:
         if not self.hosts:
             raise InvalidRequest("no participants are registered")
         await self.pending.settle()
+        await self.settle_history()
         # A superseded coordinator pauses nobody (nothing opened yet).
         await self.confirm_epoch("opening a checkpoint")
         await self._learn_epochs(self.hosts.values())
@@ -1366,8 +1368,14 @@ class CoordinatorCore:
                 restart=done.restart,
             )
         if oc.op == "restore" or (done is not None and not done.pending):
-            # An asynchronous checkpoint's is saved once it is published.
-            await self._save_history(oc.checkpoint_id, oc.checkpoint_dir)
+            # An asynchronous checkpoint's is saved once it is published.  In
+            # the background: a durable create costs several fsyncs, and the
+            # caller (the trainer, waiting on the checkpoint) needs none of
+            # them; the next opening, a restore (which reads it) and the close
+            # wait for it (`settle_history`).
+            task = asyncio.ensure_future(self._save_history(oc.checkpoint_id, oc.checkpoint_dir))
+            self._history_saves.add(task)
+            task.add_done_callback(self._history_saves.discard)
 
     def _record_closed(self, oc: OpenCheckpoint, resumed: ResumeResult | None) -> None:
         """The metrics, the timeline's outcome, the span and
@@ -1423,6 +1431,11 @@ class CoordinatorCore:
             self.timeline.add(cid, record)
 
         return add
+
+    async def settle_history(self) -> None:
+        """Wait for the timelines still being saved (`_save_history` never raises)."""
+        if self._history_saves:
+            await asyncio.wait(list(self._history_saves))
 
     async def _save_history(self, cid: str, checkpoint_dir: str | None) -> None:
         """A complete checkpoint's timeline beside its Gym manifest, or a
@@ -1497,6 +1510,7 @@ class CoordinatorCore:
                 # An asynchronous checkpoint still writing would be committed
                 # by participants being restored.
                 await self.pending.settle()
+                await self.settle_history()  # the restart bias reads a saved timeline
                 oc = await self._restore_open(checkpoint_dir, episodes, reader)
                 with oc.current():
                     result = await self._restore(oc, checkpoint_dir, episodes, resume, deadline_s)
@@ -1762,6 +1776,7 @@ class CoordinatorCore:
 
     async def aclose(self) -> None:
         await self.pending.aclose()  # unpublished: the directories stay incomplete
+        await self.settle_history()
         self.renewer.stop()
         await self.settle_journal()
         for host in list(self.hosts.values()):
