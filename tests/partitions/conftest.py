@@ -111,7 +111,7 @@ class Cluster:
             self.bed.cut(node)
             self.dead.add(node)  # a cut long enough for Ray to notice ends the node
         elif what == "lossy":
-            self.bed.lossy(node, int(msg["percent"]))
+            self.bed.lossy(node, int(msg["percent"]), delay_ms=int(msg.get("delay_ms", 0)))
         elif what == "one_way":
             self.bed.one_way(node)
         elif what == "heal":

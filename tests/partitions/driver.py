@@ -310,13 +310,25 @@ async def lossy_link(run: Run) -> dict[str, Any]:
         for r in rollouts.tasks:
             rollouts.start(session, fleet.urls["environment"], r)
         await stats_until(fleet, past_seed(rollouts), "every rollout past its seed step")
-        await ask(fault="lossy", node=edge, percent=percent)
+        # delay_ms: netem's delay and reordering too, where the kernel has it.
+        await ask(fault="lossy", node=edge, percent=percent, delay_ms=20)
         run.event("lossy", node=edge, percent=percent)
         for i in range(3):
             await run.checkpoint(gym, f"l{i}", rollouts.unfinished(), total_s=10.0)
             await asyncio.sleep(run.rng.uniform(0.1, 0.6))
         await ask(fault="heal", node=edge)
         run.event("healed", node=edge)
+        # A one-way link (the node hears but is not heard) during a checkpoint,
+        # healed after a drawn time shorter than Ray's detection.
+        one_way = asyncio.ensure_future(
+            run.checkpoint(gym, "w", rollouts.unfinished(), total_s=10.0)
+        )
+        await ask(fault="one_way", node=edge)
+        held = run.rng.uniform(0.3, 1.0)
+        await asyncio.sleep(held)
+        await ask(fault="heal", node=edge)
+        run.event("one-way healed", node=edge, after_s=round(held, 2))
+        await one_way
         # No participant is left closed: each is idle by its lease at the latest.
         await until(
             lambda: _all_idle(fleet, ("environment", "model", "agent", "resources")),

@@ -45,12 +45,14 @@ NODE_NUMBERS = {"a": 1, "b": 2, "c": 3, "s": 250}
 # Detection settings for a test cluster (docs/operations/partitions.md,
 # "Detection settings", has the production values and what they give):
 # a node that stops answering is declared dead after about
-# period * threshold + timeout = 0.5 * 3 + 0.5 = 2 s; a process cut off
-# from the GCS gives up on it after 30 s (so a zombie outlives the cuts).
+# threshold * (timeout + period) = 3 * (1 + 0.5) = 4.5 s.  A check's
+# timeout leaves room for two TCP retransmissions (200 ms at least each),
+# so that a lossy link is not mistaken for a cut.  A process cut off from
+# the GCS gives up on it after 30 s (so a zombie outlives the cuts).
 RAY_DETECTION_ENV = {
     "RAY_health_check_initial_delay_ms": "1000",
     "RAY_health_check_period_ms": "500",
-    "RAY_health_check_timeout_ms": "500",
+    "RAY_health_check_timeout_ms": "1000",
     "RAY_health_check_failure_threshold": "3",
     "RAY_gcs_rpc_server_reconnect_timeout_s": "30",
 }

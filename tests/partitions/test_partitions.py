@@ -48,7 +48,7 @@ def test_participant_node_cut_with_s3_storage(
 
 
 def test_lossy_link_across_checkpoints(cluster: Cluster, root: str, tmp_path: Path) -> None:
-    s = cluster.drive("lossy_link", root, tmp_path, seed=2, percent=10)
+    s = cluster.drive("lossy_link", root, tmp_path, seed=2, percent=20)
     check(s)
     assert s["after"]["outcome"] == "ok", s["after"]
 
