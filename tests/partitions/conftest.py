@@ -17,6 +17,7 @@ removed when the next one starts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -139,6 +140,35 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
     except OSError:
         return f"{pid} (gone)"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    # `--seeds` is also the simulation's (tests/unit/conftest.py): one option,
+    # registered by whichever conftest loads first.
+    for name, help_ in (
+        ("--seeds", "random partition runs: seeds 0..N-1 (tests/partitions; not in CI)"),
+        ("--seeds-from", "the first seed of the random partition runs"),
+    ):
+        with contextlib.suppress(ValueError):  # already added
+            parser.addoption(name, type=int, default=None, help=help_)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "partition_seed" in metafunc.fixturenames:
+        n = metafunc.config.getoption("--seeds", default=None) or 0
+        first = metafunc.config.getoption("--seeds-from", default=None) or 0
+        metafunc.parametrize("partition_seed", range(first, first + n))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Without --seeds the random run has no seed: it is left out (deselected),
+    # never reported as a skip.
+    if config.getoption("--seeds", default=None):
+        return
+    keep = [i for i in items if not i.name.startswith("test_seeded_random_partitions")]
+    if len(keep) < len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        items[:] = keep
 
 
 def _tailer(cmdline: str) -> bool:

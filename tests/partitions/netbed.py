@@ -177,6 +177,8 @@ def remove_leftovers() -> list[str]:
         if owner.isdigit() and int(owner) != os.getpid() and _pid_alive(int(owner)):
             continue  # another live run's
         _delete_namespace(name)
+        # The node's Ray temp dir (`Bed.start_node`), logs and sockets.
+        shutil.rmtree(f"/tmp/{name[len(PREFIX) :].replace('-', '')}", ignore_errors=True)
         removed.append(name)
     return removed
 

@@ -7,6 +7,8 @@ invariants (`invariants.check`) and the scenario's own promises.
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,17 +49,23 @@ def test_participant_node_cut_with_s3_storage(
     _participant_cut(cluster.drive("participant_cut", s3_root, tmp_path, seed=6))
 
 
-def test_lossy_link_across_checkpoints(cluster: Cluster, root: str, tmp_path: Path) -> None:
-    s = cluster.drive("lossy_link", root, tmp_path, seed=2, percent=20)
+def _lossy_link(s: dict[str, Any]) -> None:
     check(s)
     assert s["after"]["outcome"] == "ok", s["after"]
 
 
-def test_node_cut_during_restore(cluster: Cluster, root: str, tmp_path: Path) -> None:
-    s = cluster.drive("restore_cut", root, tmp_path, seed=3)
+def test_lossy_link_across_checkpoints(cluster: Cluster, root: str, tmp_path: Path) -> None:
+    _lossy_link(cluster.drive("lossy_link", root, tmp_path, seed=2, percent=20))
+
+
+def _restore_cut(s: dict[str, Any]) -> None:
     check(s)
     assert s["restore_during_cut"] != "ok", s["events"]
     assert s["continued"], s["events"]
+
+
+def test_node_cut_during_restore(cluster: Cluster, root: str, tmp_path: Path) -> None:
+    _restore_cut(cluster.drive("restore_cut", root, tmp_path, seed=3))
 
 
 def _coordinator_moved_and_fenced(s: dict[str, Any]) -> None:
@@ -71,8 +79,7 @@ def _coordinator_moved_and_fenced(s: dict[str, Any]) -> None:
     assert s["latest"]["name"] == "c3"
 
 
-def test_coordinator_node_cut_mid_checkpoint(cluster: Cluster, root: str, tmp_path: Path) -> None:
-    s = cluster.drive("coordinator_cut_mid_checkpoint", root, tmp_path, seed=4)
+def _coordinator_cut_mid_checkpoint(s: dict[str, Any]) -> None:
     check(s)
     _coordinator_moved_and_fenced(s)
     # The new coordinator's recovery aborted c2 with calls carrying its epoch:
@@ -86,7 +93,43 @@ def test_coordinator_node_cut_mid_checkpoint(cluster: Cluster, root: str, tmp_pa
     assert not s["verified"]["c2"]
 
 
-def test_coordinator_node_cut_while_idle(cluster: Cluster, root: str, tmp_path: Path) -> None:
-    s = cluster.drive("coordinator_cut_idle", root, tmp_path, seed=5)
+def test_coordinator_node_cut_mid_checkpoint(cluster: Cluster, root: str, tmp_path: Path) -> None:
+    _coordinator_cut_mid_checkpoint(
+        cluster.drive("coordinator_cut_mid_checkpoint", root, tmp_path, seed=4)
+    )
+
+
+def _coordinator_cut_idle(s: dict[str, Any]) -> None:
     check(s)
     _coordinator_moved_and_fenced(s)
+
+
+def test_coordinator_node_cut_while_idle(cluster: Cluster, root: str, tmp_path: Path) -> None:
+    _coordinator_cut_idle(cluster.drive("coordinator_cut_idle", root, tmp_path, seed=5))
+
+
+CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "participant_cut": _participant_cut,
+    "lossy_link": _lossy_link,
+    "restore_cut": _restore_cut,
+    "coordinator_cut_mid_checkpoint": _coordinator_cut_mid_checkpoint,
+    "coordinator_cut_idle": _coordinator_cut_idle,
+}
+
+
+def test_seeded_random_partitions(
+    cluster: Cluster, partition_seed: int, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """`--seeds N` (not in CI): seed k draws a scenario, its store (a
+    directory or S3), the lossy link's rate, and every drawn time inside the
+    driver (when a cut comes, how long it lasts); each is checked like its
+    fixed test.  A failing seed is replayed with `--seeds-from k --seeds 1`."""
+    rng = random.Random(partition_seed)
+    scenario = rng.choice(sorted(CHECKS))
+    root = (
+        request.getfixturevalue("s3_root")
+        if rng.random() < 0.3
+        else request.getfixturevalue("root")
+    )
+    s = cluster.drive(scenario, root, tmp_path, seed=partition_seed, percent=rng.randint(5, 25))
+    CHECKS[scenario](s)

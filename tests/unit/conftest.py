@@ -7,6 +7,7 @@ unit test, and so do the shared cluster's fixtures (`ray_session`,
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -69,4 +70,7 @@ def namespace() -> str:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--seeds", type=int, default=None, help="random sequence seeds 0..N-1")
+    # tests/partitions/conftest.py adds the same option (its random partition
+    # runs): whichever conftest loads first adds it.
+    with contextlib.suppress(ValueError):
+        parser.addoption("--seeds", type=int, default=None, help="random sequence seeds 0..N-1")
