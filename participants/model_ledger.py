@@ -4,7 +4,8 @@ One row per delivered call, per attempt, keyed by the caller's call position
 (the `x-ng-model-call` header), so a call the caller re-issues after a
 restore replaces the row of its dropped delivery instead of adding one: the
 ledger always ends equal to the caller's boundary.  A record's state
-(`ModelState`) is an attempt's rows and its cut, if any.  Kept apart from the
+(`ModelState`) is an attempt's rows and its cut, if any, and how many tokens
+they hold (the restart bias of a restore counts episodes by it).  Kept apart from the
 participant (`participants.policy_model`), which owns the tables and decides
 when a row is added or freed, because these are the pure parts: how a row
 lands and what a record holds.
@@ -26,11 +27,21 @@ from ray_ckpt.storage.records.record import Record
 Row = dict[str, Any]
 
 
+class TokenProgress(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How far an episode had got, in the shape `ray_ckpt.control.progress` reads."""
+
+    tokens: int  # generated for the episode: its delivered rows and its cut
+
+
 class ModelState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One record's state: the attempt's ledger rows and its cut, if any."""
 
     rows: list[dict[str, Any]]
     cut: Cut | None = None
+    # Derived from `rows` and `cut` at export, for the restart bias only (an
+    # install ignores it).  Optional: records written before it decode, and
+    # None when some row does not say its token count.
+    progress: TokenProgress | None = None
 
 
 def add_row(rows: list[Row], call: Call, row: Row) -> None:
@@ -62,10 +73,20 @@ def export_records(
         rows = ledger.get(episode, [])
         cut = cut_of.get(episode) or restored_cuts.get(episode)
         if rows or cut is not None or episode in restored:
-            state = ModelState(rows=list(rows), cut=cut)
+            state = ModelState(rows=list(rows), cut=cut, progress=tokens_of(rows, cut))
             records.append(Record(episode.capture_key, to_builtins(state)))
     records.sort(key=lambda r: r.key)
     return records
+
+
+def tokens_of(rows: Sequence[Row], cut: Cut | None) -> TokenProgress | None:
+    """The tokens an episode had generated: its delivered calls' and the cut
+    in flight; None when a row does not say (a partial sum would understate)."""
+    counts = [r.get("tokens") for r in rows]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
+        return None
+    delivered = sum(n for n in counts if isinstance(n, int))
+    return TokenProgress(tokens=delivered + (0 if cut is None else len(cut.tokens)))
 
 
 def parse_state(record: Record) -> ModelState:

@@ -54,6 +54,7 @@ async def test_model_cuts_the_latest_undelivered_call_and_ledgers_only_delivered
     assert by_key["r"] == {
         "rows": [],
         "cut": {"digest": "d-new", "tokens": [3, 4, 5], "call": new.index, "params": ""},
+        "progress": {"tokens": 3},  # the cut's: nothing delivered yet
     }
     assert "s" not in by_key  # undelivered and uncut: left out
     assert by_key["t"]["rows"] == [{"call": delivered.index, "tokens": 1}]
