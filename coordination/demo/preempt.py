@@ -130,6 +130,8 @@ async def run_preempt(opts: Any, ui: Ui, local: LocalRay) -> tuple[dict[str, Any
                     episodes_continued=len(cont.continued),
                     episodes_restarted=len(cont.restarted),
                     episodes_finished_before=len(state.results),
+                    restart_bias=cont.restart_bias,
+                    restart_bias_tokens=cont.restart_bias_tokens,
                 )
             else:
                 for i, rollout in enumerate(rollouts.tasks):

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -43,6 +43,8 @@ class DemoReport:
     restarted: list[str] = field(default_factory=list)
     # {steps bucket: {continued, restarted, lost}}: does resuming bias the data?
     restart_bias: dict[str, dict[str, int]] = field(default_factory=dict)
+    # {steps bucket: {outcome: tokens generated}}, where a participant said.
+    restart_bias_tokens: dict[str, dict[str, int]] = field(default_factory=dict)
     equal: bool = False
     lost: list[str] = field(default_factory=list)
     different: list[str] = field(default_factory=list)
@@ -100,6 +102,7 @@ class DemoReport:
         self.continued = sorted(cont.continued)
         self.restarted = sorted(cont.restarted)
         self.restart_bias = cont.restart_bias
+        self.restart_bias_tokens = cont.restart_bias_tokens
         self.results_recovered_by_receipt = len(cont.recovered)
 
     def compare(
@@ -161,6 +164,7 @@ class DemoReport:
             "episodes_continued": len(self.continued),
             "episodes_restarted": len(self.restarted),
             "restart_bias": self.restart_bias,
+            "restart_bias_tokens": self.restart_bias_tokens,
             "lost": self.lost,
             "different": self.different,
             "checkpoint_id": self.checkpoint_id,
@@ -275,19 +279,38 @@ class Ui:
         self.out.print(run)
         self.out.print(parts)
         if r.restart_bias:
-            self.out.print(bias_table(r.restart_bias))
+            self.out.print(bias_table(r.restart_bias, r.restart_bias_tokens))
         if r.nodes > 1:
             self.out.print(placement_table(r))
 
 
-def bias_table(bias: dict[str, dict[str, int]]) -> Table:
-    """The restore's episodes by steps done before the checkpoint and outcome."""
+OUTCOMES = ("continued", "restarted", "lost")
+
+
+def bias_table(
+    bias: dict[str, dict[str, int]], tokens: dict[str, dict[str, int]] | None = None
+) -> Table:
+    """The restore's episodes by steps done before the checkpoint and outcome;
+    with `tokens` known anywhere, a last column: the tokens those episodes had
+    generated, per outcome ("-": episodes none of whose participants said)."""
     table = Table(title="restart bias (by steps done at the checkpoint)")
-    for col in ("steps done", "continued", "restarted", "lost"):
+    for col in ("steps done", *OUTCOMES):
         table.add_column(col, justify="left" if col == "steps done" else "right")
+    if tokens:
+        table.add_column("tokens " + " / ".join(OUTCOMES), justify="right")
     for bucket, row in bias.items():
-        table.add_row(bucket, *(str(row.get(o, 0)) for o in ("continued", "restarted", "lost")))
+        cells = [str(row.get(o, 0)) for o in OUTCOMES]
+        if tokens:
+            said = tokens.get(bucket, {})
+            cells.append(" / ".join(_tokens_cell(row, said, o) for o in OUTCOMES))
+        table.add_row(bucket, *cells)
     return table
+
+
+def _tokens_cell(row: dict[str, int], said: dict[str, int], outcome: str) -> str:
+    if outcome in said:
+        return str(said[outcome])
+    return "0" if not row.get(outcome, 0) else "-"  # no episodes: nothing generated
 
 
 # The facts of a `--until-signal` / `--resume latest` run, labelled as the
@@ -310,8 +333,9 @@ PREEMPT_ROWS = (
 )
 
 
-def preempt_table(summary: dict[str, Any]) -> Table:
-    """`--until-signal` and `--resume latest`: the run's table (their JSON's facts)."""
+def preempt_table(summary: dict[str, Any]) -> RenderableType:
+    """`--until-signal` and `--resume latest`: the run's table (their JSON's
+    facts), and a resumed run's restart bias below it, as the main run shows it."""
     table = Table(
         title="ray-ckpt demo (" + ("resume" if "resumed_from" in summary else "signals") + ")",
         show_header=False,
@@ -331,6 +355,9 @@ def preempt_table(summary: dict[str, Any]) -> Table:
         else:
             text = "-" if value is None else str(value)
         table.add_row(label, text)
+    bias = summary.get("restart_bias")
+    if bias:
+        return Group(table, bias_table(bias, summary.get("restart_bias_tokens")))
     return table
 
 

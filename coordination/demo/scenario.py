@@ -35,6 +35,7 @@ from participants.rollout import make_tasks, result_digest, run_episode
 from ray_ckpt.control.client import data_session
 from ray_ckpt.errors import CheckpointError
 from ray_ckpt.identity import EpisodeId
+from ray_ckpt.storage.root.history import RestartBias
 
 OnEvent = Callable[[str, str], None]
 
@@ -247,6 +248,8 @@ class Continuation:
     recovered: list[str] = field(default_factory=list)  # results collected by receipt
     # The restore's restart bias: {steps bucket: {continued, restarted, lost}}.
     restart_bias: dict[str, dict[str, int]] = field(default_factory=dict)
+    # ... and the tokens its episodes had generated: {bucket: {outcome: n}}, where known.
+    restart_bias_tokens: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 async def restore_and_continue(
@@ -283,8 +286,18 @@ async def restore_and_continue(
         nxt = episode.next()
         (continued if nxt.capture_key in env_keys else restarted).append(episode.rollout_id)
         rollouts.start(session, fleet.urls["environment"], episode.rollout_id, attempt=nxt.attempt)
-    bias = {} if result.restart_bias is None else result.restart_bias.as_table()
-    return Continuation(continued, restarted, result.restored, result.total_s, recovered, bias)
+    bias, tokens = bias_tables(result.restart_bias)
+    return Continuation(
+        continued, restarted, result.restored, result.total_s, recovered, bias, tokens
+    )
+
+
+def bias_tables(
+    bias: RestartBias | None,
+) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
+    """A restore's restart bias as the demo shows it: by bucket, the episodes
+    per outcome and the tokens per outcome where known ({} without a bias)."""
+    return ({}, {}) if bias is None else (bias.as_table(), bias.tokens_table())
 
 
 async def crash(fleet: Fleet, rollouts: Rollouts) -> None:
@@ -305,6 +318,9 @@ class Resumed:
     checkpoint_id: str
     continued: list[str]
     restarted: list[str]
+    # The restore's restart bias, as `Continuation` has it.
+    restart_bias: dict[str, dict[str, int]] = field(default_factory=dict)
+    restart_bias_tokens: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 async def resume_stopped_run(
@@ -335,4 +351,5 @@ async def resume_stopped_run(
         (continued if nxt.capture_key in env_keys else restarted).append(episode.rollout_id)
         rollouts.start(session, env_url, episode.rollout_id, attempt=nxt.attempt)
     source = result.source_checkpoint_id or result.checkpoint_id
-    return Resumed(result.checkpoint_dir, source, continued, restarted)
+    bias, tokens = bias_tables(result.restart_bias)
+    return Resumed(result.checkpoint_dir, source, continued, restarted, bias, tokens)

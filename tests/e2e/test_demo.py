@@ -55,6 +55,8 @@ async def test_demo_continues_every_rollout_and_equals_the_uninterrupted_run(
     )
     assert sum(r["lost"] for r in bias.values()) == 0
     assert bias["unknown"] == {"continued": 0, "restarted": 0, "lost": 0}
+    # The reference model says the tokens each episode had generated.
+    assert sum(t.get("continued", 0) for t in summary["restart_bias_tokens"].values()) > 0
     assert summary["bytes"] > 0 and summary["checkpoint_s"] > 0 and summary["restore_s"] > 0
     assert set(report.per_participant) == {
         "environment/ref-environment",
