@@ -710,6 +710,14 @@ class CoordinatorCore:
                         )
                 if committed.pending:
                     self._confirm_later(oc, opts, scope, members)
+                elif not opts.resume:
+                    # Complete, yet kept open (a `stop` checkpoint: its caller
+                    # exits next, and nothing may ever close it): its timeline
+                    # is saved now, or a restore from it could not count its
+                    # restart bias.  Once: a later close finds it there.
+                    self._note_committed(oc)
+                    self.timeline.finish(oc.checkpoint_id, outcome="ok", trigger=oc.trigger)
+                    await self._save_history(oc.checkpoint_id, opts.checkpoint_dir)
         # As recorded if it closed; else (kept open to publish) as of now.
         return oc.result or _checkpoint_result(oc, resumed)
 
@@ -1357,6 +1365,19 @@ class CoordinatorCore:
             self._record_closed(oc, resumed)
         except Exception:
             log.exception("recording %s raised", oc.checkpoint_id)
+        done = self._note_committed(oc)
+        if oc.op == "restore" or (done is not None and not done.pending):
+            # An asynchronous checkpoint's is saved once it is published.  In
+            # the background: a durable create costs several fsyncs, and the
+            # caller (the trainer, waiting on the checkpoint) needs none of
+            # them; the next opening, a restore (which reads it) and the close
+            # wait for it (`settle_history`).
+            task = asyncio.ensure_future(self._save_history(oc.checkpoint_id, oc.checkpoint_dir))
+            self._history_saves.add(task)
+            task.add_done_callback(self._history_saves.discard)
+
+    def _note_committed(self, oc: OpenCheckpoint) -> CommitResult | None:
+        """What `oc`'s commit answered, into its timeline; the commit, if any."""
         done = oc.committed
         if done is not None:
             self.timeline.note(
@@ -1367,15 +1388,7 @@ class CoordinatorCore:
                 continued=done.continued,
                 restart=done.restart,
             )
-        if oc.op == "restore" or (done is not None and not done.pending):
-            # An asynchronous checkpoint's is saved once it is published.  In
-            # the background: a durable create costs several fsyncs, and the
-            # caller (the trainer, waiting on the checkpoint) needs none of
-            # them; the next opening, a restore (which reads it) and the close
-            # wait for it (`settle_history`).
-            task = asyncio.ensure_future(self._save_history(oc.checkpoint_id, oc.checkpoint_dir))
-            self._history_saves.add(task)
-            task.add_done_callback(self._history_saves.discard)
+        return done
 
     def _record_closed(self, oc: OpenCheckpoint, resumed: ResumeResult | None) -> None:
         """The metrics, the timeline's outcome, the span and

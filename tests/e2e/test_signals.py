@@ -166,6 +166,10 @@ def test_resume_latest_equals_the_uninterrupted_run_and_sigusr1_goes_on(
     assert out["ok"] is True
     assert out["episodes_continued"] == first["episodes_in_flight"]
     assert out["episodes_finished_before"] == first["finished"]
+    # The restore's restart bias, as the main run reports it (tokens: the model's).
+    bias = out["restart_bias"]
+    assert sum(r["continued"] for r in bias.values()) >= out["episodes_continued"] > 0
+    assert sum(t.get("continued", 0) for t in out["restart_bias_tokens"].values()) > 0
     assert out["stopped_by"] is None
     # SIGUSR1 checkpointed and everyone went on: nothing paused, nothing open.
     assert out["paused_after"] == []

@@ -53,3 +53,32 @@ async def test_steps_from_the_environment_and_tokens_from_the_model_combine(
         "11+": {"lost": 100},
     }
     assert bias.as_table()["unknown"] == {"continued": 0, "restarted": 1, "lost": 0}
+
+
+async def test_a_stop_checkpoint_kept_open_has_its_timeline_saved(tmp_path: pathlib.Path) -> None:
+    """A `stop` checkpoint is a preemption's last: kept open (nobody resumes
+    it), its process exits next; a restore from it still counts its bias."""
+    directory = str(tmp_path / "c")
+    fleet = make_fleet()
+    fleet.core.history = StorageHistory()
+    fleet.parts["environment/env"].start("r1", at_boundary=True, state={"step": 3})
+    fleet.parts["environment/env"].start("r2", at_boundary=True, state={"step": 7})
+    scope = [EpisodeId("r1"), EpisodeId("r2")]
+    try:
+        await fleet.core.checkpoint(directory, scope, stop=True, resume=False)
+        assert fleet.core.open is not None  # still open: no close will save it
+        saved = read_timeline(directory)
+    finally:
+        await fleet.aclose()
+    assert saved is not None
+    assert (saved.outcome, sorted(saved.continued)) == ("ok", ["r1", "r2"])
+    fresh = make_fleet(store=fleet.store)
+    fresh.core.history = StorageHistory()
+    try:
+        res = await fresh.core.restore(directory, [EpisodeId("r1")])
+    finally:
+        await fresh.aclose()
+    assert res.restart_bias is not None
+    assert res.restart_bias.known
+    assert res.restart_bias.as_table()["3-5"]["continued"] == 1
+    assert res.restart_bias.as_table()["6-10"]["lost"] == 1
