@@ -79,8 +79,14 @@ def receipts_in(document: Any) -> list[Any]:
 def ack(source: str, address: str, namespace: str, as_json: bool) -> None:
     """Acknowledge the receipts in FILE (default stdin): their results are freed everywhere."""
     try:
+        data = _read(source)
+        if not data.strip():
+            where = "stdin" if source == "-" else source
+            raise InvalidRequest(
+                f"no receipts to acknowledge: {where} is empty (pipe `ray-ckpt collect --json` in)"
+            )
         try:
-            document = msgspec.json.decode(_read(source))
+            document = msgspec.json.decode(data)
         except msgspec.DecodeError as exc:
             raise InvalidRequest(f"not JSON: {exc}") from None
         receipts = receipts_in(document)

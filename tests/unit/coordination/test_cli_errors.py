@@ -118,6 +118,8 @@ def test_an_empty_ack_is_bad_input_before_any_cluster(body: str, places: dict[st
     result = run("ack", "-", "--address", places["dead"], input_=body)
     assert result.exit_code == ExitCode.BAD_INPUT, result.output
     assert "Ray" not in _one_error_line(result)  # refused before attaching
+    if not body:
+        assert "is empty" in _one_error_line(result)  # says what was wrong, not a decode error
 
 
 def test_json_errors_keep_the_wire_body_on_stdout(places: dict[str, str]) -> None:
