@@ -1,4 +1,8 @@
-"""The partition test bed: Ray nodes in network namespaces the test makes.
+"""The partition test bed: Ray nodes in network namespaces made for the run.
+
+Used by the partition suite (`tests/partitions/`) and by
+`ray-ckpt demo --nodes 3 --partition`; it needs root, `ip` and `nft`
+(`capabilities()` says what is missing).
 
 Layout (every name starts with `rckpt-<pid>-`, the pid of the test process
 that made it, so a later run finds and removes what a killed run left):

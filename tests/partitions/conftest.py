@@ -5,7 +5,8 @@ suite, whose cluster is shut down by then).  It needs root, `ip` (iproute2)
 and `nft` (nftables): a machine without them FAILS the suite with a message
 (`.ci/run` installs nftables); nothing is skipped silently.
 
-`cluster` (package scope): the test bed of `netbed.py` with a head `a` (GCS)
+`cluster` (package scope): the test bed of `coordination/demo/netbed.py`
+(shared with `ray-ckpt demo --partition`) with a head `a` (GCS)
 and two workers `b` and `c`, each `ray start`ed in its own namespace with a
 `node_<name>` resource (workers also `worker_node`).  `drive(scenario)` runs
 `tests/partitions/driver.py` inside the head's namespace, applies the faults
@@ -31,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from tests.partitions import netbed
+from coordination.demo import netbed
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER_RESOURCES = {"worker_node": 1.0}
