@@ -10,6 +10,9 @@
   `--kill-node`;
 - `preempt` — `--until-signal` and `--resume latest` (`run` hands them over;
   `preempt` imports none of it).
+- `partition` — `--nodes 3 --partition`: a node cut off in a network
+  namespace, declared dead, healed, its zombie fenced (on `netbed`, the test
+  bed it shares with tests/partitions).
 
 `python -m coordination.demo` runs it too (e.g. under `ray job submit`).
 """

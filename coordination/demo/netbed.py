@@ -31,6 +31,7 @@ on a real partition):
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import shutil
@@ -76,6 +77,38 @@ RAY_QUIET = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0"}
 
 class BedError(RuntimeError):
     """A step of the test bed failed (the command, its output)."""
+
+
+CLONE_NEWNET = 0x40000000
+
+
+def _setns(fd: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise BedError(f"setns: {os.strerror(err)}")
+
+
+@contextlib.contextmanager
+def inside(ns: str) -> Iterator[None]:
+    """This thread (and the threads it starts) in the namespace `ns`, then
+    back in the one it was in.  A Ray driver needs a raylet on its own
+    address: the demo's process joins the head's namespace for the run
+    instead of starting a driver process there (Python 3.11 has no
+    `os.setns`, hence libc's)."""
+    home = os.open("/proc/self/ns/net", os.O_RDONLY)
+    try:
+        target = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+        try:
+            _setns(target)
+        finally:
+            os.close(target)
+        try:
+            yield
+        finally:
+            _setns(home)
+    finally:
+        os.close(home)
 
 
 def sh(cmd: str, check: bool = True, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:

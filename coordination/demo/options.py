@@ -39,6 +39,8 @@ class DemoOptions:
     lose_replies: int = 2
     workers: int = 1  # worker processes per Gym server (ray_ckpt.workers)
     restore_workers: int | None = None  # the fresh fleet's count (default: workers)
+    # Cut the environment's node off the network mid-flight (coordination/demo/partition.py).
+    partition: bool = False
 
 
 def fleet_config(

@@ -67,6 +67,22 @@ class DemoReport:
     restore_workers: int = 1  # ... in the fresh fleet the restore went to
     # kind -> worker processes whose /stats answered at the checkpoint
     workers_serving: dict[str, int] = field(default_factory=dict)
+    # --partition: the node cut off, the cut to Ray declaring it dead, the
+    # open checkpoint's commit during the cut, and the zombie's late calls
+    # after the heal (what it tried, what refused them; by kind and by code).
+    partitioned_node: str | None = None
+    detected_s: float | None = None
+    commit_during_cut: str | None = None
+    zombie_tried: dict[str, int] = field(default_factory=dict)
+    zombie_refused_by: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def zombie_attempts(self) -> int:
+        return sum(self.zombie_tried.values())
+
+    @property
+    def zombie_refused(self) -> int:
+        return sum(self.zombie_refused_by.values())
 
     def add_checkpoint(self, prepared: PrepareResult, committed: CommitResult) -> None:
         self.checkpoint_id = committed.checkpoint_id
@@ -145,6 +161,13 @@ class DemoReport:
             out.append("no episode was continued from the checkpoint")
         if self.completion_receipts and self.results_recovered_by_receipt < self.replies_lost:
             out.append("a lost reply's result was not recovered by receipt")
+        if self.partitioned_node is not None:
+            if self.zombie_attempts == 0:
+                out.append("the zombie tried nothing after the heal (nothing was fenced)")
+            elif self.zombie_refused < self.zombie_attempts:
+                out.append("a late call of the zombie was not refused")
+            if self.commit_during_cut == "ok":
+                out.append("the checkpoint open at the cut completed without the cut node")
         return out
 
     @property
@@ -192,6 +215,18 @@ class DemoReport:
             "workers": self.workers,
             "workers_serving": self.workers_serving,
             "restore_workers": self.restore_workers,
+            **(self.partition_summary() if self.partitioned_node is not None else {}),
+        }
+
+    def partition_summary(self) -> dict[str, Any]:
+        return {
+            "partitioned_node": self.partitioned_node,
+            "detected_s": None if self.detected_s is None else round(self.detected_s, 3),
+            "commit_during_cut": self.commit_during_cut,
+            "zombie_attempts": self.zombie_attempts,
+            "zombie_refused": self.zombie_refused,
+            "zombie_tried": self.zombie_tried,
+            "zombie_refused_by": self.zombie_refused_by,
         }
 
 
@@ -262,6 +297,7 @@ class Ui:
             ("lost", ", ".join(r.lost) or "none"),
             ("equal to uninterrupted run", "yes" if r.equal else "NO"),
             ("timeline (chrome://tracing, Perfetto)", r.timeline or "-"),
+            *(partition_rows(r) if r.partitioned_node is not None else []),
             ("passed", "yes" if r.ok else "NO: " + "; ".join(r.problems())),
         ):
             run.add_row(label, value)
@@ -282,6 +318,21 @@ class Ui:
             self.out.print(bias_table(r.restart_bias, r.restart_bias_tokens))
         if r.nodes > 1:
             self.out.print(placement_table(r))
+
+
+def partition_rows(r: DemoReport) -> list[tuple[str, str]]:
+    """--partition: the cut, its detection, and the zombie fenced."""
+
+    def by(counts: dict[str, int]) -> str:
+        return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "-"
+
+    return [
+        ("partitioned node", str(r.partitioned_node)),
+        ("cut -> declared dead", "-" if r.detected_s is None else f"{r.detected_s:.2f} s"),
+        ("checkpoint open at the cut", r.commit_during_cut or "-"),
+        ("zombie tried after the heal", f"{r.zombie_attempts} ({by(r.zombie_tried)})"),
+        ("zombie refused", f"{r.zombie_refused} ({by(r.zombie_refused_by)})"),
+    ]
 
 
 OUTCOMES = ("continued", "restarted", "lost")

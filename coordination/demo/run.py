@@ -9,10 +9,11 @@ Ray (loopback only) and stops it at the end; `--nodes N` makes that a local
 cluster of N nodes the fleet spreads over, and `--kill-node` loses the node
 of the environment and agent hosts instead of killing the actors
 (`coordination/demo/nodes.py`); `--until-signal` and `--resume latest` tell
-the preemption story (`coordination/demo/preempt.py`).  Exit status 0 only if every
-result is equal, nothing was lost, and the checkpoint was put to the test:
-something was in flight when it was taken and some episode continued from it
-(`DemoReport.problems`).
+the preemption story (`coordination/demo/preempt.py`); `--nodes 3 --partition`
+cuts a node off the network instead (`coordination/demo/partition.py`).
+Exit status 0 only if every result is equal, nothing was lost, and the
+checkpoint was put to the test: something was in flight when it was taken
+and some episode continued from it (`DemoReport.problems`).
 
 Also runnable as `python -m coordination.demo` (e.g. under `ray job submit`).
 """
@@ -280,6 +281,12 @@ def write_json(path: str, value: Any) -> None:
     type=click.IntRange(1, 8),
     help="Worker processes per server of the fresh fleet the restore goes to (default: --workers).",
 )
+@click.option(
+    "--partition",
+    is_flag=True,
+    help="With --nodes 3: the nodes in network namespaces; cut the environment's node "
+    "mid-flight, restore, heal, show the zombie fenced (needs root, ip and nft).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
 def demo_cli(as_json: bool, namespace: str | None, **kwargs: Any) -> None:
     """Checkpoint a fleet mid-flight, crash it, restore, continue, compare."""
@@ -288,6 +295,8 @@ def demo_cli(as_json: bool, namespace: str | None, **kwargs: Any) -> None:
         raise click.UsageError("--kill-node needs --nodes 2 or more on the cluster the demo starts")
     if opts.nodes > 1 and opts.address is not None:
         raise click.UsageError("--nodes starts a local cluster: not with --address")
+    if opts.partition:
+        _partition(opts, as_json=as_json)
     preempt = opts.until_signal or opts.resume is not None
     if preempt and (opts.kill_node or not opts.checkpoint_dir):
         raise click.UsageError(
@@ -328,6 +337,31 @@ def demo_cli(as_json: bool, namespace: str | None, **kwargs: Any) -> None:
         report = asyncio.run(run_demo(opts, ui, local))
     finally:
         local.stop()
+    sys.exit(finish(report, ui, as_json=as_json))
+
+
+def _partition(opts: DemoOptions, *, as_json: bool) -> None:
+    """`--nodes 3 --partition`: its own cluster in network namespaces."""
+    from coordination.demo import partition
+
+    if opts.nodes != partition.NODES or opts.address is not None:
+        raise click.UsageError("--partition needs --nodes 3 (a head and two workers it starts)")
+    others = {
+        "--kill-node": opts.kill_node,
+        "--until-signal": opts.until_signal,
+        "--resume": opts.resume is not None,
+        "--durability async": opts.durability != "sync",
+        "--timeline": opts.timeline is not None,
+    }
+    if any(others.values()):
+        clash = ", ".join(k for k, v in others.items() if v)
+        raise click.UsageError(f"--partition tells its own story: not with {clash}")
+    if opts.checkpoint_dir is not None:
+        _check_root(opts.checkpoint_dir, write=True)
+    # Before anything starts: no root, `ip` or `nft` is one error line.
+    partition.check_capabilities()
+    ui = Ui(stderr=True)
+    report = partition.run_partition(opts, ui)
     sys.exit(finish(report, ui, as_json=as_json))
 
 
