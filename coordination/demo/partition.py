@@ -108,7 +108,7 @@ def run_partition(opts: DemoOptions, ui: Ui) -> DemoReport:
                     started.result()
         # The driver: Ray's settings as the nodes have them (no token auth
         # between addresses this bed made; several nodes on their own addresses).
-        os.environ.update(bed.env({}))
+        os.environ.update({k: v for k, v in bed.env().items() if k.startswith("RAY_")})
         with netbed.inside(bed.ns("a")):
             import ray
 

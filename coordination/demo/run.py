@@ -357,6 +357,9 @@ def _partition(opts: DemoOptions, *, as_json: bool) -> None:
         clash = ", ".join(k for k, v in others.items() if v)
         raise click.UsageError(f"--partition tells its own story: not with {clash}")
     if opts.checkpoint_dir is not None:
+        if "://" in opts.checkpoint_dir and not opts.checkpoint_dir.startswith("file://"):
+            # The nodes' namespaces route nowhere beyond the test bed.
+            raise click.UsageError("--partition needs a local --checkpoint-dir (no store URI)")
         _check_root(opts.checkpoint_dir, write=True)
     # Before anything starts: no root, `ip` or `nft` is one error line.
     partition.check_capabilities()

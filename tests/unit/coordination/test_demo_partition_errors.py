@@ -68,6 +68,15 @@ def test_partition_usage_errors(args: list[str], nothing_starts: list[object]) -
     assert nothing_starts == []
 
 
+def test_a_store_uri_is_refused_the_nodes_reach_nothing_beyond_the_bed(
+    capsys: pytest.CaptureFixture[str], nothing_starts: list[object]
+) -> None:
+    args = ["--nodes", "3", "--partition", "--checkpoint-dir", "s3://bucket/x"]
+    assert run.demo_command_main(args) == ExitCode.BAD_INPUT
+    assert "--partition needs a local --checkpoint-dir" in capsys.readouterr().err
+    assert nothing_starts == []
+
+
 def test_partition_keys_and_a_zombie_not_refused_fails_the_run() -> None:
     report = DemoReport(rollouts=4, steps=2, nodes=3)
     report.equal, report.in_scope, report.continued = True, 4, ["r0"]
