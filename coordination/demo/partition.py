@@ -48,9 +48,9 @@ from coordination.demo.options import DemoOptions, fleet_config
 from coordination.demo.report import DemoReport, Ui
 from coordination.demo.scenario import (
     Rollouts,
+    baseline,
     fleet_stats,
     restore_and_continue,
-    uninterrupted,
     wait_for_mixed_work,
 )
 from participants.fleet import Fleet, launch_fleet
@@ -200,16 +200,15 @@ async def _story(opts: DemoOptions, ui: Ui, bed: netbed.Bed) -> DemoReport:
     root = opts.checkpoint_dir or tempfile.mkdtemp(prefix="ray-ckpt-demo-")
 
     with ui.phase("uninterrupted run", total=opts.rollouts) as advance:
-        base = Rollouts.make(opts.rollouts, opts.steps, opts.seed)
-        base.on_event = lambda _e, _r: advance()
-        base_stats: dict[str, dict[str, Any]] = {}
-        expected = await uninterrupted(
+        first = await baseline(
             fleet_config(opts, suffix="baseline", namespace=ns),
-            base,
+            opts.rollouts,
+            opts.steps,
+            opts.seed,
             stagger_s=opts.stagger_s,
-            stats_out=base_stats,
+            advance=advance,
         )
-    run_s = base.span_s()
+    expected, base_stats, run_s = first.expected, first.stats, first.span_s
 
     gym = _coordinator(ns)
     home = await node_of(gym.actor)

@@ -36,10 +36,10 @@ from coordination.demo.options import DemoOptions, fleet_config
 from coordination.demo.report import DemoReport, Ui
 from coordination.demo.scenario import (
     Rollouts,
+    baseline,
     crash,
     fleet_stats,
     restore_and_continue,
-    uninterrupted,
     wait_for_mixed_work,
 )
 from participants.fleet import launch_fleet
@@ -76,16 +76,15 @@ async def run_demo(opts: DemoOptions, ui: Ui, ray_nodes: LocalRay | None = None)
 
     # 1. The uninterrupted run the checkpointed one must equal.
     with ui.phase("uninterrupted run", total=opts.rollouts) as advance:
-        base = Rollouts.make(opts.rollouts, opts.steps, opts.seed)
-        base.on_event = lambda _e, _r: advance()
-        base_stats: dict[str, dict[str, Any]] = {}
-        expected = await uninterrupted(
+        first = await baseline(
             fleet_config(opts, suffix="baseline", namespace=ns),
-            base,
+            opts.rollouts,
+            opts.steps,
+            opts.seed,
             stagger_s=opts.stagger_s,
-            stats_out=base_stats,
+            advance=advance,
         )
-    run_s = base.span_s()
+    expected, base_stats, run_s = first.expected, first.stats, first.span_s
 
     handle = connect(namespace=ns, address=opts.address)
     config = fleet_config(opts, suffix="", namespace=ns, receipts=opts.receipts)

@@ -180,6 +180,33 @@ class Rollouts:
         return {r: result_digest(res) for r, res in sorted(self.results.items())}
 
 
+@dataclass
+class Baseline:
+    """The uninterrupted run a checkpointed one must equal: each rollout's
+    digest, the servers' `/stats` at its end, and how long it took."""
+
+    expected: dict[str, str]
+    stats: dict[str, dict[str, Any]]
+    span_s: float
+
+
+async def baseline(
+    config: FleetConfig,
+    rollouts: int,
+    steps: int,
+    seed: int,
+    *,
+    stagger_s: float,
+    advance: Callable[[], None],
+) -> Baseline:
+    """`uninterrupted` for the demo's modes: the same seeds, `advance` at each event."""
+    base = Rollouts.make(rollouts, steps, seed)
+    base.on_event = lambda _e, _r: advance()
+    stats: dict[str, dict[str, Any]] = {}
+    expected = await uninterrupted(config, base, stagger_s=stagger_s, stats_out=stats)
+    return Baseline(expected, stats, base.span_s())
+
+
 async def uninterrupted(
     config: FleetConfig,
     rollouts: Rollouts,

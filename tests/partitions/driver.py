@@ -38,6 +38,9 @@ from coordination.actor.actor_options import coordinator_options
 from coordination.actor.coordinator import Coordinator
 from coordination.client.handle import CoordinatorHandle
 from coordination.demo.nodes import node_of
+
+# The demo's placement, deadlines and lease: one story, told by both.
+from coordination.demo.partition import CORE, EDGE, LEASE_S, TIMEOUTS, WORKER
 from coordination.demo.scenario import Rollouts, restore_and_continue
 from participants.fleet import Fleet, FleetConfig, launch_fleet
 from ray_ckpt.control.client import data_session
@@ -48,19 +51,7 @@ from ray_ckpt.storage.root.pointer import read_latest
 from tests.e2e.conftest import E2E, Tally, stats_until
 
 N, STEPS, SEED = 4, 3, 83
-EDGE = ("environment", "agent")
-CORE = ("model", "resources")
 COORDINATOR = "part-coordinator"
-WORKER = "worker_node"  # the resource only worker nodes have
-TIMEOUTS = {
-    "prepare_s": 8.0,
-    "commit_s": 8.0,
-    "resume_s": 8.0,
-    "restore_s": 12.0,
-    "reply_grace_s": 0.5,
-    "status_s": 4.0,
-}
-LEASE_S = 10.0
 
 
 def say(obj: dict[str, Any]) -> None:
