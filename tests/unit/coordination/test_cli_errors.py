@@ -32,6 +32,17 @@ def _dead_address() -> str:
     return f"127.0.0.1:{port}"
 
 
+@pytest.fixture(autouse=True)
+def a_fresh_command_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each command as in a process of its own, where Ray is not attached yet.
+    The suite's earlier Ray tests leave this process attached to the shared
+    cluster, and a command attached already uses that connection, whatever
+    `--address` says: the dead address would never be tried."""
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+
+
 def run(*args: str, input_: str | None = None) -> Any:
     return CliRunner().invoke(main, list(args), input=input_, env={"COLUMNS": "240"})
 
