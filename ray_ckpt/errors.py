@@ -47,6 +47,12 @@ class Reason(StrEnum):
     # participant has seen (its epoch, `coordination.engine.epoch`), or a
     # coordinator that found a newer one took over before it published.
     STALE_COORDINATOR = "stale_coordinator"
+    # Sandboxes (`ray_ckpt.sandbox`): a command sent through a handle of a
+    # generation a restore replaced (or a sandbox freed), and input a
+    # sandbox refuses (a path escaping it, a device or socket file, a file
+    # over the size bound).
+    SANDBOX_FENCED = "sandbox_fenced"
+    SANDBOX_REFUSED = "sandbox_refused"
 
     @property
     def http_status(self) -> int:
@@ -82,6 +88,8 @@ _HTTP_STATUS: dict[Reason, int] = {
     Reason.NOT_FRESH: 409,
     Reason.RESTORED_STATE_LOST: 409,
     Reason.STALE_COORDINATOR: 409,
+    Reason.SANDBOX_FENCED: 409,
+    Reason.SANDBOX_REFUSED: 400,
 }
 
 # Retrying the same call can succeed: the deadline was too short, admission
@@ -235,6 +243,40 @@ class StaleCoordinator(CheckpointError):
     reason = Reason.STALE_COORDINATOR
 
 
+class SandboxFenced(CheckpointError):
+    """A sandbox handle of a generation a restore replaced, or of a sandbox
+    already freed: its commands are refused, never run against the new one."""
+
+    reason = Reason.SANDBOX_FENCED
+
+
+class SandboxRefused(CheckpointError):
+    """Input a sandbox refuses before changing anything (the subclasses say which)."""
+
+    reason = Reason.SANDBOX_REFUSED
+
+
+class SandboxPathEscape(SandboxRefused):
+    """A path that would leave the sandbox: `..`, absolute, or through a
+    symlink pointing outside it."""
+
+
+class SandboxSpecialFile(SandboxRefused):
+    """A device, socket or FIFO in a sandbox: a snapshot carries only regular
+    files, directories and symlinks."""
+
+
+class SandboxFileTooLarge(SandboxRefused):
+    """A file over the provider's size bound (written, or found at a snapshot)."""
+
+
+class SandboxUnsupported(CheckpointError):
+    """A snapshot or restore asked of a provider that declares it cannot: its
+    episodes are restart-only, and the participant never asks."""
+
+    reason = Reason.INVALID_PHASE
+
+
 class ParticipantNotFresh(CheckpointError):
     """A restore refused before any participant changed anything: the named
     members have served (or restored) since they started, and a restore
@@ -301,6 +343,8 @@ _BY_REASON: dict[Reason, type[CheckpointError]] = {
         ParticipantNotFresh,
         RestoredStateLost,
         StaleCoordinator,
+        SandboxFenced,
+        SandboxRefused,
     )
 }
 

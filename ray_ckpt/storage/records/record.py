@@ -64,6 +64,11 @@ class Record(msgspec.Struct, frozen=True, array_like=True):
     key: str
     state: Any = None
     version: str | None = None
+    # Content-addressed files the state names (a sandbox's, `ray_ckpt.sandbox`):
+    # BLAKE3 hex digest -> a local path holding exactly those bytes.  Written
+    # once per digest beside the records, never inside the records file;
+    # read back as the path of a verified local copy.
+    attachments: dict[str, str] | None = None
 
     @property
     def episode_id(self) -> EpisodeId:
