@@ -23,6 +23,13 @@ manifest still there and equal to the one this participant committed, with a
 frame index (older manifests have none), and every file its references need
 still there at the size recorded.  Anything else writes a full checkpoint.
 
+Attachments (`attachments`) follow the same base: a digest the previous
+manifest lists (as its own blob or as a reference) is referenced, flattened
+to the checkpoint that holds the object, if the object is still there at its
+size; any other is written.  A blob is referenced whenever the base is safe,
+even when the records are all written again (a changed record may name
+mostly unchanged files), and a full rewrite writes every blob again.
+
 Chains are bounded (`ChainPolicy`, defaults `FULL_EVERY` = 8 and
 `MIN_LIVE_FRACTION` = 0.5): a full rewrite when the previous one is already
 `full_every - 1` checkpoints past its last full rewrite (so checkpoints 0, K,
@@ -45,11 +52,14 @@ from ray_ckpt.storage.blobstore.blobs import BlobMissing, Blobs
 from ray_ckpt.storage.blobstore.durable import WriteStop
 from ray_ckpt.storage.blobstore.locations import open_location, split_location
 from ray_ckpt.storage.participant.participant_manifest import (
+    BLOBS,
     DIGEST_ALGO,
     MANIFEST_NAME,
     RECORDS_RE,
+    BlobRef,
     FrameRef,
     ParticipantManifest,
+    blob_key,
     check_name,
     decode_manifest,
     participant_key,
@@ -81,11 +91,13 @@ class Previous(msgspec.Struct, frozen=True):
 
 
 class Plan(msgspec.Struct, frozen=True):
-    """An incremental write: the records referenced, and frames already encoded."""
+    """An incremental write: the records referenced, frames already encoded,
+    and the attachments' blobs referenced (by digest)."""
 
     refs: dict[str, FrameRef]
     encoded: dict[str, bytes]
     depth: int
+    blobs: dict[str, BlobRef] = {}
 
 
 def candidates(name: str, manifest: ParticipantManifest) -> dict[str, FrameRef]:
@@ -125,6 +137,7 @@ def plan(
     *,
     kind: str,
     instance: str,
+    checkpoint_id: str,
     records: Sequence[Record],
     previous: Previous | None,
     policy: ChainPolicy,
@@ -150,6 +163,25 @@ def plan(
         return None  # gone, or unreadable: nothing safe to point into
     if stored != prev:
         return None
+    refs, encoded = _record_refs(root, kind, instance, name, prev, records, policy, stop)
+    blobs = _blob_refs(root, kind, instance, name, prev, records, checkpoint_id)
+    if not refs and not blobs:
+        return None
+    return Plan(refs=refs, encoded=encoded, depth=depth, blobs=blobs)
+
+
+def _record_refs(
+    root: Blobs,
+    kind: str,
+    instance: str,
+    name: str,
+    prev: ParticipantManifest,
+    records: Sequence[Record],
+    policy: ChainPolicy,
+    stop: WriteStop,
+) -> tuple[dict[str, FrameRef], dict[str, bytes]]:
+    """The unchanged records to reference and the changed ones already
+    encoded; no references when they would keep too little alive."""
     known = candidates(name, prev)
     refs: dict[str, FrameRef] = {}
     encoded: dict[str, bytes] = {}
@@ -175,15 +207,45 @@ def plan(
     files = {(r.checkpoint, r.records_file): r.file_bytes for r in refs.values()}
     live = sum(r.length for r in refs.values())
     if not refs or live < policy.min_live_fraction * sum(files.values()):
-        return None
+        return {}, encoded
     for (ck, records_file), size in files.items():
         key = f"{ck}/{participant_key(kind, instance)}/{records_file}"
         try:
             if root.info(key).size != size:
-                return None
+                return {}, encoded
         except BlobMissing:
-            return None
-    return Plan(refs=refs, encoded=encoded, depth=depth)
+            return {}, encoded
+    return refs, encoded
+
+
+def _blob_refs(
+    root: Blobs,
+    kind: str,
+    instance: str,
+    name: str,
+    prev: ParticipantManifest,
+    records: Sequence[Record],
+    checkpoint_id: str,
+) -> dict[str, BlobRef]:
+    """The attachments the previous checkpoint already stores (own or
+    referenced), each as a reference to the checkpoint holding its object,
+    if that object is still there at its size (one listing per holder).
+    A whole object is either needed or not, so no live fraction applies."""
+    wanted = {d for r in records for d in (r.attachments or {})}
+    pkey = participant_key(kind, instance)
+    by_holder: dict[str, list[BlobRef]] = {}
+    for ref in prev.blobs:
+        holder = name if prev.own_blob(ref) else ref.checkpoint
+        # A holder named like this checkpoint's ID would read as its own blob.
+        if ref.digest in wanted and holder != checkpoint_id:
+            by_holder.setdefault(holder, []).append(ref)
+    out: dict[str, BlobRef] = {}
+    for holder, refs in by_holder.items():
+        sizes = {i.key: i.size for i in root.list(f"{holder}/{pkey}/{BLOBS}")}
+        for ref in refs:
+            if sizes.get(f"{holder}/{blob_key(pkey, ref.digest)}") == ref.bytes:
+                out[ref.digest] = BlobRef(holder, ref.digest, ref.bytes)
+    return out
 
 
 def same_records(prior: ParticipantManifest, records: Sequence[Record], stop: WriteStop) -> bool:

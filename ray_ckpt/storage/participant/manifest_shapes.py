@@ -19,6 +19,7 @@ import msgspec
 
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.storage.blobstore.blobs import BlobMissing, Blobs, blob_name
+from ray_ckpt.storage.participant.attachments import verify_blobs
 from ray_ckpt.storage.participant.participant_manifest import (
     DIGEST_ALGOS,
     GYM,
@@ -154,7 +155,8 @@ def verify_participant(
     read: tuple[str, bytes] | None = None,
 ) -> ManifestSummary:
     """A participant manifest of either shape and its whole records object,
-    verified (and, if given, that it belongs to `checkpoint_id`)."""
+    and every attachment blob it lists, verified (and, if given, that it
+    belongs to `checkpoint_id`)."""
     blobs = blobs_of(checkpoint_dir)
     key, data = read or manifest_bytes(blobs, kind, instance)
     summary = summarize_manifest(blobs, kind, instance, data, key)
@@ -167,8 +169,11 @@ def verify_participant(
         manifest = load_manifest(
             blobs, kind=kind, instance=instance, checkpoint_id=checkpoint_id, read=(key, data)
         )
-        # Digest and count are verified over every byte; states need not be decoded.
+        # Digest and count are verified over every byte; states need not be
+        # decoded.  Every attachment blob is read and hashed too (a restore
+        # fetches only those of the episodes it continues).
         read_records(blobs, manifest, select=lambda _key: False)
+        verify_blobs(blobs, manifest)
     else:
         _verify_foreign_records(blobs, key.rpartition("/")[0], summary)
     return summary

@@ -1,7 +1,8 @@
 """A participant's manifest: its shape, its keys, and how it is read and checked.
 
 Layout under a checkpoint location: ``gym/<kind>/<instance>/manifest.json``
-beside the records object it names.  The manifest is the commit point of a
+beside the records object it names and the attachments' blob objects
+(``blobs/<digest>``, `attachments`).  The manifest is the commit point of a
 participant's write (`participant_store`): created last and never replaced,
 so no manifest means "not committed".
 """
@@ -38,6 +39,10 @@ _NAME_RE = re.compile(ID_PATTERN)
 # its key before the digest is known); older ones by their sha256.  Both are
 # plain names in the participant's own folder.  Always fullmatch.
 RECORDS_RE = re.compile(r"records-([0-9a-f]{32}|[0-9a-f]{64})\.msgpack")
+
+# An attachment's name: the BLAKE3 digest of its bytes, lowercase hex.
+DIGEST_RE = re.compile(r"[0-9a-f]{64}")
+BLOBS = "blobs"
 
 # Where a checkpoint is: a location string (or path) as every public function
 # takes it, or a `Blobs` already open (so one call opens its location once).
@@ -77,13 +82,35 @@ class FrameRef(msgspec.Struct, frozen=True, array_like=True):
     version: str | None = None
 
 
+class BlobRef(msgspec.Struct, frozen=True, array_like=True):
+    """One attachment's blob object: ``<checkpoint>/gym/<kind>/<instance>/blobs/<digest>``.
+
+    `checkpoint` is the manifest's own `checkpoint_id` for an object this
+    checkpoint holds, else the sibling checkpoint's name (a folder under the
+    same root) that holds it: flattened like a `FrameRef`, never a chain.  A
+    writer never references a sibling whose name is its own checkpoint ID
+    (it writes that blob again), so the two never mix."""
+
+    checkpoint: str
+    digest: str
+    bytes: int
+
+
 class ParticipantManifest(msgspec.Struct, frozen=True, omit_defaults=True):
     """What a committed participant checkpoint holds; written last.
 
     `episodes` and `record_count` cover every record, own and referenced;
     `digest`, `bytes` and `frames` describe the own records file only.  The
-    last three fields are absent from older manifests (no frame index: such
-    a checkpoint is never referenced, the next one is written in full)."""
+    fields from `frames` on are absent from older manifests (no frame index:
+    such a checkpoint is never referenced, the next one is written in full).
+
+    Attachments (`Record.attachments`) are absent unless a record has some,
+    so a manifest without them is byte for byte what it was before them:
+    `attachments` maps a capture key to its digests (sorted), `blobs` lists
+    every digest any record names once (sorted by digest) with the object
+    holding it, and `blob_bytes` adds up the objects this checkpoint holds
+    itself.  They are manifest fields, not `Frame` fields: a frame is an
+    array whose trailing defaults would be dropped too (its `version`)."""
 
     schema_version: int
     checkpoint_id: str
@@ -99,6 +126,13 @@ class ParticipantManifest(msgspec.Struct, frozen=True, omit_defaults=True):
     frames: list[Frame] = []
     refs: list[FrameRef] = []
     chain_depth: int = 0  # checkpoints since the last full rewrite (0: this is one)
+    attachments: dict[str, list[str]] = {}
+    blobs: list[BlobRef] = []
+    blob_bytes: int = 0
+
+    def own_blob(self, ref: BlobRef) -> bool:
+        """True if this checkpoint holds the object itself (not a sibling)."""
+        return ref.checkpoint == self.checkpoint_id
 
 
 class _Versioned(msgspec.Struct):
@@ -124,6 +158,11 @@ def check_name(what: str, name: str) -> str:
 def participant_key(kind: str, instance: str) -> str:
     """``gym/<kind>/<instance>``; names that could escape it are refused."""
     return f"{GYM}/{check_name('kind', kind)}/{check_name('instance', instance)}"
+
+
+def blob_key(pkey: str, digest: str) -> str:
+    """``<pkey>/blobs/<digest>``: an attachment's object in a participant's folder."""
+    return f"{pkey}/{BLOBS}/{digest}"
 
 
 def participant_dir(
@@ -162,7 +201,37 @@ def decode_manifest(data: bytes, where: str) -> ParticipantManifest:
             or ref.offset + ref.length > ref.file_bytes
         ):
             raise InvalidCheckpointState(f"bad frame range for {ref.key} in {where}")
+    _check_attachments(manifest, where)
     return manifest
+
+
+def _check_attachments(manifest: ParticipantManifest, where: str) -> None:
+    """Every blob names a plain digest in a sibling checkpoint's folder (never
+    outside the root), once; every record's digest is one of them."""
+    listed: set[str] = set()
+    for ref in manifest.blobs:
+        if (
+            not DIGEST_RE.fullmatch(ref.digest)
+            or not _NAME_RE.fullmatch(ref.checkpoint)
+            or ref.bytes < 0
+        ):
+            raise InvalidCheckpointState(
+                f"bad blob {ref.checkpoint}/{ref.digest} ({ref.bytes} bytes) in {where}"
+            )
+        if ref.digest in listed:
+            raise InvalidCheckpointState(f"blob {ref.digest} listed twice in {where}")
+        listed.add(ref.digest)
+    if manifest.blob_bytes < 0:
+        raise InvalidCheckpointState(f"bad blob_bytes {manifest.blob_bytes} in {where}")
+    episodes = set(manifest.episodes) if manifest.attachments else set()
+    for key, digests in manifest.attachments.items():
+        if key not in episodes:
+            raise InvalidCheckpointState(f"attachments of {key}, not a record, in {where}")
+        missing = [d for d in digests if d not in listed]
+        if missing:
+            raise InvalidCheckpointState(
+                f"attachment {missing[0][:64]!r} of {key} is not a listed blob in {where}"
+            )
 
 
 def manifest_bytes(checkpoint_dir: Where, kind: str, instance: str) -> tuple[str, bytes]:

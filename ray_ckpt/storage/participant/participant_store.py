@@ -1,9 +1,16 @@
-"""One participant's checkpoint: a streamed records object, then its manifest.
+"""One participant's checkpoint: streamed records, its attachments' blobs, then its manifest.
 
-Layout: ``<location>/gym/<kind>/<instance>/records-<token>.msgpack`` and
-``manifest.json`` (`participant_manifest`).  The manifest is the commit
-point: it is created last and never replaced, so no manifest means "not
-committed", and a manifest always names a complete records object.
+Layout under ``<location>/gym/<kind>/<instance>/``:
+
+- ``records-<token>.msgpack``: the records (`records_format`);
+- ``blobs/<digest>``: one object per distinct attachment digest of the
+  records (`Record.attachments`, BLAKE3 hex; `attachments`), only when some
+  record has attachments;
+- ``manifest.json`` (`participant_manifest`).
+
+The manifest is the commit point: it is created last and never replaced,
+so no manifest means "not committed", and a manifest always names a
+complete records object and blobs that were verified as they were stored.
 
 How the disk steps map onto an object store (the `Blobs` backends keep them):
 
@@ -29,7 +36,9 @@ are verified with the digest they name.
 Incremental (`incremental`, `referenced`): given the previous commit, the
 records object holds only the changed records and the manifest references
 the rest in earlier records objects; a read verifies those frames too, and
-returns nothing unless all of them pass.
+returns nothing unless all of them pass.  Blobs the previous commit already
+stores are referenced the same way (by the checkpoint holding the object),
+the others written.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ import msgspec
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.storage.blobstore.blobs import BlobMissing, Blobs, blob_name
 from ray_ckpt.storage.blobstore.durable import WriteStop
+from ray_ckpt.storage.participant.attachments import Collected, attach, by_record, store_blobs
 from ray_ckpt.storage.participant.incremental import ChainPolicy, Previous, plan, same_records
 from ray_ckpt.storage.participant.participant_manifest import (
     DIGEST_ALGO,
@@ -116,6 +126,11 @@ def write_participant(
     checkpoint needs to reference them; without it the next one is full.
     An identical recommit returns the existing manifest; a different commit
     into the same place raises `InvalidCheckpointState`.
+
+    Records' attachments are stored as blobs before the manifest, each
+    verified against its digest as it streams (`attachments.store_blobs`);
+    a source that does not match fails the write and nothing is published
+    under its name, nor any manifest.
     """
     stop = stop or WriteStop()
     if previous is not None:
@@ -137,12 +152,14 @@ def write_participant(
             blobs,
             kind=kind,
             instance=instance,
+            checkpoint_id=checkpoint_id,
             records=records,
             previous=previous,
             policy=policy or ChainPolicy(),
             stop=stop,
         )
     refs = chosen.refs if chosen is not None else {}
+    attachments = Collected()
     records_file = f"records-{uuid.uuid4().hex}.msgpack"
     rkey = f"{pkey}/{records_file}"
     with contextlib.ExitStack() as publishing:
@@ -162,7 +179,7 @@ def write_participant(
             try:
                 keys = encode_records(
                     writer,
-                    records,
+                    attachments.reading(records),
                     stop,
                     index=index,
                     skip=refs,
@@ -174,6 +191,16 @@ def write_participant(
                 finally:
                     index.close()
             digest = index.file_digest()
+            # Inside the records' upload: a blob that fails leaves no records
+            # object either, and every blob is stored before the manifest.
+            blob_refs = store_blobs(
+                blobs,
+                pkey,
+                checkpoint_id=checkpoint_id,
+                sources=attachments.sources,
+                refs=chosen.blobs if chosen is not None else {},
+                stop=stop,
+            )
         manifest = ParticipantManifest(
             schema_version=SCHEMA_VERSION,
             checkpoint_id=checkpoint_id,
@@ -196,6 +223,9 @@ def write_participant(
             else [],
             refs=[refs[k] for k in sorted(refs)],
             chain_depth=chosen.depth if chosen is not None else 0,
+            attachments=dict(sorted(attachments.by_record.items())),
+            blobs=blob_refs,
+            blob_bytes=sum(b.bytes for b in blob_refs if b.checkpoint == checkpoint_id),
         )
         # No clean-up if this raises: the manifest may be published all the
         # same (a failing directory fsync after the link), naming the records.
@@ -225,8 +255,11 @@ def _recommit(
     pkey = participant_key(prior.kind, prior.instance)
     if prior.checkpoint_id != checkpoint_id:
         raise _conflict(blobs, pkey, prior)  # fail fast, before encoding anything
+    records = list(records)
+    if by_record(records) != prior.attachments:
+        raise _conflict(blobs, pkey, prior)
     if prior.frames or prior.refs:
-        if not same_records(prior, list(records), stop):
+        if not same_records(prior, records, stop):
             raise _conflict(blobs, pkey, prior)
         return prior
     digest, size, keys = digest_records(records, stop, algo=prior.digest_algo)
@@ -261,30 +294,46 @@ def read_participant(
     instance: str,
     checkpoint_id: str | None,
     select: Callable[[str], bool] | None = None,
+    attachments_dir: str | None = None,
 ) -> tuple[ParticipantManifest, list[Record]]:
-    """Verify one participant's whole records object; return the records `select` keeps."""
+    """Verify one participant's whole records object; return the records
+    `select` keeps, with their attachments (`read_records`)."""
     blobs = blobs_of(checkpoint_dir)
     manifest = load_manifest(blobs, kind=kind, instance=instance, checkpoint_id=checkpoint_id)
-    return manifest, read_records(blobs, manifest, select)
+    return manifest, read_records(blobs, manifest, select, attachments_dir=attachments_dir)
 
 
 def read_records(
     checkpoint_dir: Where,
     manifest: ParticipantManifest,
     select: Callable[[str], bool] | None = None,
+    *,
+    attachments_dir: str | None = None,
 ) -> list[Record]:
     """Verify the whole records object a loaded manifest names, and every
     frame it references in earlier files (`referenced`); the records
-    `select` keeps (own and referenced, in the manifest's key order)."""
+    `select` keeps (own and referenced, in the manifest's key order).
+
+    Each kept record's `attachments` map its digests to verified local
+    files, fetched for the kept records only (`attachments.attach`): on a
+    local disk the blob objects themselves (never to be changed); from an
+    object store, downloads into `attachments_dir`, or into a new temporary
+    folder when it is None, which the caller then owns and removes (its path
+    is the parent of any attachment path).  A blob that is missing or
+    corrupt fails the read whole."""
     blobs = blobs_of(checkpoint_dir)
     if not manifest.refs:
-        return _read_own(blobs, manifest, select)
-    # The referenced frames are fetched while the own file is verified, and
-    # nothing is returned unless every one is: the restore fails whole.
-    with RefReader(blobs, manifest) as refs:
-        got = {r.key: r for r in _read_own(blobs, manifest, select)}
-        got |= refs.records(select)
-    return [got[k] for k in manifest.episodes if k in got]
+        records = _read_own(blobs, manifest, select)
+    else:
+        # The referenced frames are fetched while the own file is verified, and
+        # nothing is returned unless every one is: the restore fails whole.
+        with RefReader(blobs, manifest) as refs:
+            got = {r.key: r for r in _read_own(blobs, manifest, select)}
+            got |= refs.records(select)
+        records = [got[k] for k in manifest.episodes if k in got]
+    if not manifest.attachments:
+        return records
+    return attach(blobs, manifest, records, attachments_dir)
 
 
 def _read_own(
