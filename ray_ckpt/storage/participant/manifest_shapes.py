@@ -19,7 +19,7 @@ import msgspec
 
 from ray_ckpt.errors import InvalidCheckpointState
 from ray_ckpt.storage.blobstore.blobs import BlobMissing, Blobs, blob_name
-from ray_ckpt.storage.participant.attachments import verify_blobs
+from ray_ckpt.storage.participant.attachments import own_blob_bytes, verify_blobs
 from ray_ckpt.storage.participant.participant_manifest import (
     DIGEST_ALGOS,
     GYM,
@@ -47,6 +47,7 @@ class ManifestSummary(msgspec.Struct, frozen=True):
     record_count: int
     bytes: int
     ours: bool  # our own shape (its records can be verified record by record)
+    blob_bytes: int = 0  # the attachment blobs it holds itself (ours only)
 
 
 def json_object(data: bytes, where: str) -> dict[str, Any]:
@@ -116,6 +117,7 @@ def summarize_manifest(
         record_count=count,
         bytes=size,
         ours=ours,
+        blob_bytes=own_blob_bytes(m),
     )
 
 

@@ -9,15 +9,18 @@ between the Gym manifest and the pointer leaves a complete checkpoint that
 `LATEST` does not name yet.
 
 Complete means a verifiable Gym manifest: it decodes, every participant
-manifest it lists is there with the digest it records, and each names a
-records object of the size listed.  Records are not re-hashed here (a listing
-must stay cheap on object storage); a restore verifies every byte.
+manifest it lists is there with the digest it records, each names a
+records object of the size listed, and every key it needs (`needed_keys`:
+referenced records, attachment blobs) is in the listing.  Records and blobs
+are not re-hashed here (a listing must stay cheap on object storage); a
+restore verifies every byte it uses, a verify every byte.
 
 Everything goes through `Blobs`, so a root on disk and one in a bucket are
 listed the same way.  `needed_keys` is the single answer to "which keys must
 stay for this checkpoint to restore": the listing's "referenced by" column and
 garbage collection both use it, so a checkpoint that references another's
-files (incremental records) only has to extend that one function.
+files (incremental records, attachment blobs) only has to extend that one
+function.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from ray_ckpt.errors import CheckpointError, InvalidCheckpointState
 from ray_ckpt.identity import is_result_key
 from ray_ckpt.storage.blobstore.blobs import BlobInfo, BlobMissing, Blobs, is_temp
 from ray_ckpt.storage.blobstore.locations import join_location
+from ray_ckpt.storage.participant.attachments import blob_needs, own_blob_bytes
 from ray_ckpt.storage.participant.incremental import referenced_files
 from ray_ckpt.storage.participant.participant_store import MANIFEST_NAME, SCHEMA_VERSION
 from ray_ckpt.storage.root.gym_manifest import GYM_MANIFEST_NAME, GymManifest
@@ -57,7 +61,9 @@ class CheckpointEntry(msgspec.Struct, frozen=True, kw_only=True):
     participants: int
     episodes: int
     # The checkpoint's size as every command reports it: its participants'
-    # records as the Gym manifest lists them (incomplete: every object).
+    # records as the Gym manifest lists them and the attachment blobs they
+    # hold themselves (`blob_bytes`; referenced ones count where they are
+    # held); incomplete: every object.
     bytes: int
     complete: bool
     referenced_by: list[str]
@@ -109,10 +115,11 @@ def needed_keys(
     name: str, gym: GymManifest, manifests: Mapping[tuple[str, str], Mapping[str, Any]]
 ) -> frozenset[str]:
     """Every key checkpoint `name` needs to restore: its Gym manifest, each
-    participant manifest, each records object those manifests name, and each
+    participant manifest, each records object those manifests name, each
     earlier checkpoint's records object an incremental manifest references
     (`incremental.referenced_files`; always in the participant's own folder
-    of a sibling checkpoint)."""
+    of a sibling checkpoint), and every attachment blob a manifest lists,
+    its own or a sibling's (`attachments.blob_needs`)."""
     keys = {f"{name}/{GYM}/{GYM_MANIFEST_NAME}"}
     for e in gym.participants:
         keys |= participant_needs(name, e.kind, e.instance, manifests[(e.kind, e.instance)])
@@ -121,7 +128,8 @@ def needed_keys(
 
 def participant_needs(name: str, kind: str, instance: str, m: Mapping[str, Any]) -> frozenset[str]:
     """The keys one participant manifest of checkpoint `name` needs: itself,
-    the records object it names, and each earlier records object it references."""
+    the records object it names, each earlier records object it references,
+    and each attachment blob it lists (wherever it is held)."""
     pdir = f"{name}/{GYM}/{kind}/{instance}"
     keys = {f"{pdir}/{MANIFEST_NAME}"}
     records = m.get("records_file")
@@ -129,6 +137,7 @@ def participant_needs(name: str, kind: str, instance: str, m: Mapping[str, Any])
         keys.add(f"{pdir}/{records}")
     for checkpoint, records_file in referenced_files(m):
         keys.add(f"{checkpoint}/{GYM}/{kind}/{instance}/{records_file}")
+    keys |= blob_needs(name, f"{GYM}/{kind}/{instance}", m)
     return frozenset(keys)
 
 
@@ -217,7 +226,8 @@ def _scan_one(blobs: Blobs, name: str, keys: list[BlobInfo]) -> Scanned:
         time=gym.written_at if gym.written_at is not None else sizes[gym_key].modified,
         participants=len(gym.participants),
         episodes=len(episodes) if episodes is not None else _max_count(manifests.values()),
-        bytes=sum(e.bytes for e in gym.participants),
+        bytes=sum(e.bytes for e in gym.participants)
+        + sum(own_blob_bytes(m) for m in manifests.values()),
         stored_bytes=total,
         complete=True,
         referenced_by=[],

@@ -245,9 +245,13 @@ def _listed_bytes(blobs: Blobs, e: GymEntry) -> tuple[str, bytes]:
 
 
 def _check_entry(blobs: Blobs, gym: GymManifest, e: GymEntry) -> ParticipantCheck:
+    blob_bytes = 0
     try:
         read = _listed_bytes(blobs, e)
-        verify_participant(blobs, e.kind, e.instance, checkpoint_id=gym.checkpoint_id, read=read)
+        summary = verify_participant(
+            blobs, e.kind, e.instance, checkpoint_id=gym.checkpoint_id, read=read
+        )
+        blob_bytes = summary.blob_bytes
         error = None
     except InvalidCheckpointState as exc:
         error = exc.detail
@@ -257,7 +261,9 @@ def _check_entry(blobs: Blobs, gym: GymManifest, e: GymEntry) -> ParticipantChec
         listed=True,
         ok=error is None,
         episodes=e.record_count,
-        bytes=e.bytes,
+        # Its records and the attachment blobs it holds itself, as a
+        # checkpoint's size counts everywhere (`catalog.CheckpointEntry`).
+        bytes=e.bytes + blob_bytes,
         digest=e.records_digest,
         error=error,
     )
@@ -278,7 +284,7 @@ def _unlisted(blobs: Blobs, kind: str, instance: str) -> ParticipantCheck:
         listed=False,
         ok=False,
         episodes=m.record_count,
-        bytes=m.bytes,
+        bytes=m.bytes + m.blob_bytes,
         digest=m.records_digest,
         error=f"{error} (its manifest is for checkpoint {m.checkpoint_id!r})",
     )

@@ -9,13 +9,16 @@
 - an incomplete checkpoint goes only if a newer complete one exists and it
   has not been written to for `grace_s` (a crash left it); a young or newest
   one may be a write in flight and stays;
-- a key a kept checkpoint needs (`catalog.needed_keys`) is never deleted,
-  whichever checkpoint's folder it sits in;
+- a key a kept checkpoint needs (`catalog.needed_keys`: its own files, and
+  the earlier records and the attachment blobs it references) is never
+  deleted, whichever checkpoint's folder it sits in; a deleted checkpoint's
+  blobs go with it unless a kept one references them;
 - an incomplete checkpoint kept as possibly in flight keeps what its
   incremental writes will need too (`in_flight_needs`): the earlier records
-  its participant manifests reference, and for a participant whose manifest
-  is not written yet the files of the newest complete checkpoint it is in
-  (the base an incremental write picks, `storage.seam`);
+  and blobs its participant manifests reference, and for a participant whose
+  manifest is not written yet the files (records and blobs) of the newest
+  complete checkpoint it is in (the base an incremental write picks,
+  `storage.seam`);
 - temp objects (`blobs.is_temp`) older than `grace_s` are collected, in kept
   checkpoints too: a write in flight is younger than that, crash leftovers are
   not;
