@@ -77,8 +77,9 @@ def copy_state(value: Any) -> Any:
 
 
 def capture(record: Record) -> Record:
-    """`record` with a true copy of its state; a state `check_json` refuses
-    raises `InvalidCheckpointState` naming the path."""
+    """`record` with a true copy of its state (its version and attachments
+    kept); a state `check_json` refuses raises `InvalidCheckpointState`
+    naming the path."""
     try:
         state = copy_state(record.state)
     except NotPlain:
@@ -86,7 +87,11 @@ def capture(record: Record) -> Record:
         # is not equal to itself): the copy of it is exact.
         check_json(record.state, episode=record.key)
         state = msgspec.to_builtins(record.state, builtin_types=(bytes,))
-    return Record(record.key, state, record.version)
+    # The attachments map is copied too (a flat str -> str dict, cheap): the
+    # files it names are the exporter's to keep unchanged until the write
+    # ends, but the live map may be rebuilt meanwhile.
+    attachments = dict(record.attachments) if record.attachments is not None else None
+    return Record(record.key, state, record.version, attachments)
 
 
 def audit_one(record: Record) -> int:

@@ -22,6 +22,12 @@ install lost the episodes that worker held, so the restore that reported
 them restored must fail, all or nothing, rather than reopen admission and
 let them start over silently.
 
+Records may carry attachments (`Record.attachments`): the read verifies
+them as local files, downloading those a remote store holds into a
+temporary folder of this restore's (`Downloads`).  The folder lives until
+the install ends, succeeded or failed (the participant must copy what it
+keeps), or until a read that failed or was given up ends.
+
 The engine keeps the phase machine, the lock and the restore's order of
 steps; this module holds the restore's own state and its work on the
 participant and the store.  `Restores` is given the participant and the
@@ -34,9 +40,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
+import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ray_ckpt.clock import Clock
 from ray_ckpt.control.phase_machine import Phase
@@ -49,6 +58,7 @@ from ray_ckpt.errors import (
     InvalidCheckpointState,
     InvalidPhase,
     InvalidRequest,
+    ParticipantUnavailable,
     RestoredStateLost,
 )
 from ray_ckpt.identity import EpisodeId, is_result_key
@@ -58,6 +68,53 @@ from ray_ckpt.storage.seam import RecordStore
 # The engine's logger, not this module's: moving the code out of the
 # engine must not move its warnings away from the operators' log filters.
 log = logging.getLogger("ray_ckpt.control.engine")
+
+T = TypeVar("T")
+
+
+class Downloads:
+    """The temporary folder one restore's read downloads attachments into.
+
+    Removed by whichever ends last of the read's thread and its caller when
+    the read fails or the caller gives up on it (a missed deadline leaves
+    the thread running, and a folder removed under it would be refilled);
+    after a read that succeeded, by the install that uses it (`remove`)."""
+
+    def __init__(self) -> None:
+        try:
+            self.path = tempfile.mkdtemp(prefix="ray-ckpt-restore-")
+        except OSError as exc:
+            raise ParticipantUnavailable(
+                f"no temporary folder for the restore's attachments: {exc}"
+            ) from exc
+        self._lock = threading.Lock()
+        self._finished = False
+        self._abandoned = False
+
+    def run(self, read: Callable[[str], T]) -> T:
+        """`read(folder)` on the read's thread; the folder goes if it raises."""
+        try:
+            return read(self.path)
+        except BaseException:
+            self.remove()
+            raise
+        finally:
+            with self._lock:
+                self._finished = True
+                abandoned = self._abandoned
+            if abandoned:
+                self.remove()
+
+    def abandon(self) -> None:
+        """The caller gives up on the read: the folder goes once it ends."""
+        with self._lock:
+            self._abandoned = True
+            finished = self._finished
+        if finished:
+            self.remove()
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
 
 
 @dataclass
@@ -103,6 +160,8 @@ class Restores:
         # leftovers were freed (then the process may restore again).
         self.restored_once = False
         self.current: Install | None = None
+        # The downloads of a read whose install has not begun (`begin` takes them).
+        self._staged: Downloads | None = None
 
     def pending(self, checkpoint_id: str) -> Install | None:
         """The install of `checkpoint_id` no call has answered yet, if any."""
@@ -122,40 +181,64 @@ class Restores:
                 "served nothing and restored nothing"
             )
         wanted = {e.capture_key for e in req.episode_ids}
-        return await within(
-            clock,
-            req,
-            "restore read",
-            asyncio.to_thread(
-                store.read,
+        self._drop_staged()  # a read whose install never began (the engine failed between)
+        downloads = Downloads()
+
+        def read(folder: str) -> tuple[Any, list[Record]]:
+            return store.read(
                 req.checkpoint_dir,
                 kind=self._kind,
                 instance=self._instance,
                 # Held results (completion receipts) come back whatever the
                 # episodes asked: they were finished, not in any scope.
                 select=lambda key: key in wanted or is_result_key(key),
-            ),
-        )
+                attachments_dir=folder,
+            )
+
+        try:
+            got = await within(clock, req, "restore read", asyncio.to_thread(downloads.run, read))
+        except BaseException:
+            downloads.abandon()
+            raise
+        self._staged = downloads
+        return got
+
+    def _drop_staged(self) -> None:
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            staged.remove()
 
     def begin(self, req: RestoreRequest, manifest: Any, records: list[Record]) -> Install:
         """Start installing `records` as a task of its own: a missed deadline
         or a cancelled call fails the call, never the install."""
-        task = asyncio.ensure_future(self._install_and_mark(records))
+        downloads, self._staged = self._staged, None
+        task = asyncio.ensure_future(self._install_and_mark(records, downloads))
         # Its outcome is read by whoever settles it, maybe no one (the host
         # stops first): never let asyncio log it as an unretrieved error.
         task.add_done_callback(_retrieve)
+        if downloads is not None:
+            # Also when it is cancelled before it ever ran (its own `finally`
+            # removes them as soon as the install ends otherwise).
+            task.add_done_callback(lambda _task: downloads.remove())
         self.current = Install(
             req.checkpoint_id, req.checkpoint_dir, tuple(req.episode_ids), manifest, task
         )
         self.restored_once = True
         return self.current
 
-    async def _install_and_mark(self, records: Sequence[Record]) -> list[EpisodeId]:
+    async def _install_and_mark(
+        self, records: Sequence[Record], downloads: Downloads | None
+    ) -> list[EpisodeId]:
         try:
-            replaced = [r.episode_id for r in records if not is_result_key(r.key)]
-        except InvalidRequest as exc:
-            raise InvalidCheckpointState(f"record key: {exc.detail}") from None
-        installed = await self._participant.install(records)
+            try:
+                replaced = [r.episode_id for r in records if not is_result_key(r.key)]
+            except InvalidRequest as exc:
+                raise InvalidCheckpointState(f"record key: {exc.detail}") from None
+            installed = await self._participant.install(records)
+        finally:
+            # Installed or not, nothing reads the downloaded attachments now.
+            if downloads is not None:
+                downloads.remove()
         # Attempt N + 1 is installed: attempts <= N of those rollouts are over
         # here, as if retired (a late step of attempt N must not be served
         # from the fresh, empty state of this process).
@@ -252,6 +335,7 @@ class Restores:
             await asyncio.wait([install.task])
 
     async def aclose(self) -> None:
+        self._drop_staged()
         install = self.current
         if install is not None and not install.task.done():
             install.task.cancel()

@@ -35,7 +35,8 @@ class RecordStore(Protocol):
         records: Sequence[Record],
         stop: StopHandle,
     ) -> Any:
-        """Durably write the records, then the manifest; return the manifest."""
+        """Durably write the records (and their attachments: each record's
+        files, stored by digest), then the manifest; return the manifest."""
         ...
 
     def read(
@@ -45,8 +46,13 @@ class RecordStore(Protocol):
         kind: str,
         instance: str,
         select: Callable[[str], bool],
+        attachments_dir: str | None = None,
     ) -> tuple[Any, list[Record]]:
-        """Verify and read one participant's records; return (manifest, in-scope records)."""
+        """Verify and read one participant's records; return (manifest, in-scope records).
+
+        Records come back with their `attachments` as verified local files;
+        those fetched from a remote store go into `attachments_dir` (None: a
+        new temporary folder the caller owns)."""
         ...
 
 
@@ -143,6 +149,7 @@ class FileRecordStore:
         kind: str,
         instance: str,
         select: Callable[[str], bool],
+        attachments_dir: str | None = None,
     ) -> tuple[Any, list[Record]]:
         """Read one participant, cross-checked against the Gym manifest when there is one.
 
@@ -151,6 +158,11 @@ class FileRecordStore:
         the participant's manifest checked alone.  When the Gym manifest exists,
         this participant must be listed in it with the same manifest digest, so
         a participant directory from another commit is never installed.
+
+        Attachments: on a local disk each path is the verified blob object
+        itself (the install must copy, never change it); from an object
+        store, a verified download into `attachments_dir`
+        (`participant_store.read_records`).
         """
         from ray_ckpt.storage import load_manifest, open_location, read_gym_manifest
         from ray_ckpt.storage.participant.participant_store import read_records
@@ -163,4 +175,5 @@ class FileRecordStore:
                 manifest = listed_manifest(blobs, gym, gym.entry(kind, instance))
             else:
                 manifest = load_manifest(blobs, kind=kind, instance=instance, checkpoint_id=None)
-            return manifest, read_records(blobs, manifest, select)
+            records = read_records(blobs, manifest, select, attachments_dir=attachments_dir)
+            return manifest, records

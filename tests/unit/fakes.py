@@ -157,7 +157,13 @@ class MemoryStore:
         return manifest
 
     def read(
-        self, checkpoint_dir: str, *, kind: str, instance: str, select: Callable[[str], bool]
+        self,
+        checkpoint_dir: str,
+        *,
+        kind: str,
+        instance: str,
+        select: Callable[[str], bool],
+        attachments_dir: str | None = None,  # records keep their paths as written
     ) -> tuple[Manifest, list[Record]]:
         try:
             manifest, records = self.data[(checkpoint_dir, kind, instance)]
