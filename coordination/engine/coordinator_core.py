@@ -1853,18 +1853,21 @@ def manifest_bytes(manifest: Any, listed: GymManifest | None = None) -> int:
     """Bytes a participant wrote: its records object's size as the Gym
     manifest `listed` measured it (the writer's return), whichever shape the
     participant manifest has; else what the manifest says (ours carry
-    `bytes`; NeMo Gym's do not, and say 0 then).
+    `bytes`; NeMo Gym's do not, and say 0 then).  Plus the attachment blobs
+    the checkpoint holds itself (`blob_bytes`; referenced ones were counted
+    where they were written), as the listing counts a checkpoint's size.
 
     NeMo Gym's manifests name their records file, digest and count, never a
     size: only the written object knows it, and the Gym manifest's writer
     has just read it (and checked it against `bytes` where there is one)."""
     m = as_mapping(manifest)
     kind, instance = m.get("kind"), m.get("instance")
+    blobs = max(int_or_none(m.get("blob_bytes")) or 0, 0)
     if listed is not None:
         for e in listed.participants:
             if e.kind == kind and e.instance == instance:
-                return e.bytes
-    return int_or_none(m.get("bytes")) or 0
+                return e.bytes + blobs
+    return (int_or_none(m.get("bytes")) or 0) + blobs
 
 
 def split_continued(
