@@ -7,9 +7,10 @@ Four rooms, each importing only the rooms before it:
   URI (`LocalBlobs`), or `s3://` / `gs://` (`ObjectBlobs`, via obstore);
   `check_location` probes one up front;
 - `records` -- the `Record` unit and the records file format;
-- `participant` -- one participant's files: its records and manifest, which
-  may reference unchanged records in its previous checkpoint's files
-  (`incremental`: `Previous`, `ChainPolicy`);
+- `participant` -- one participant's files: its records, their attachments
+  (content-addressed blobs) and manifest, which may reference unchanged
+  records and blobs in its previous checkpoint's files (`incremental`:
+  `Previous`, `ChainPolicy`);
 - `root` -- the checkpoint root: the Gym manifest, `LATEST`, the catalog,
   retention.
 
