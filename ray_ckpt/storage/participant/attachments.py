@@ -13,7 +13,7 @@ Writing (`store_blobs`): each source is streamed, hashed as it goes, into an
 source that is not what its digest says never appears under that name and
 the write fails (`InvalidCheckpointState`), before the manifest.  On disk
 each blob's data is fsynced like the records; their names are made durable
-by one fsync of the ``blobs`` folder (the last blob's).  A digest already
+by one fsync of the ``blobs`` folder once all are stored (`sync_names`).  A digest already
 stored in this checkpoint with the source's size is kept (a retried commit;
 the name is the content); one an incremental base holds is referenced
 instead (`incremental.plan`: the reference names the checkpoint holding the
@@ -46,9 +46,11 @@ import blake3
 import msgspec
 
 from ray_ckpt.errors import InvalidCheckpointState, ParticipantUnavailable
+from ray_ckpt.storage.blobstore import durable
 from ray_ckpt.storage.blobstore.blobs import BlobMissing, Blobs, blob_name
 from ray_ckpt.storage.blobstore.durable import WriteStop
 from ray_ckpt.storage.blobstore.local_blobs import LocalBlobs
+from ray_ckpt.storage.blobstore.location_errors import directory_errors
 from ray_ckpt.storage.participant.incremental import root_of
 from ray_ckpt.storage.participant.participant_manifest import (
     BLOBS,
@@ -148,6 +150,7 @@ def store_blobs(
             _check_existing(blobs, blob_key(pkey, digest), size, _source_size(own[digest]))
             out.append(BlobRef(checkpoint_id, digest, size))
         out += _put_all(blobs, pkey, checkpoint_id, todo, own, stop)
+        sync_names(blobs, folder)
     return sorted(out, key=lambda r: r.digest)
 
 
@@ -163,9 +166,8 @@ def _put_all(
     sources: Mapping[str, str],
     stop: WriteStop,
 ) -> list[BlobRef]:
-    """All but the last side by side, their names not yet fsynced; then the
-    last, whose fsync of the ``blobs`` folder makes every name in it durable
-    (on disk; a store's completed upload is durable by itself)."""
+    """Every blob of `todo`, side by side, each one's data durable but not its
+    name yet; the caller's `sync_names` makes all the names durable at once."""
     if not todo:
         return []
     failed = threading.Event()
@@ -175,31 +177,34 @@ def _put_all(
         if failed.is_set():
             raise _Cancelled("given up: another attachment failed")
 
-    def put(digest: str, sync_name: bool) -> BlobRef:
+    def put(digest: str) -> BlobRef:
         try:
-            size = _put(blobs, blob_key(pkey, digest), digest, sources[digest], check, sync_name)
+            size = _put(blobs, blob_key(pkey, digest), digest, sources[digest], check)
         except BaseException:
             failed.set()
             raise
         return BlobRef(checkpoint_id, digest, size)
 
-    *first, last = todo
     with ThreadPoolExecutor(_WORKERS, thread_name_prefix="ray-ckpt-blobs") as pool:
-        futures = [pool.submit(put, d, False) for d in first]
+        futures = [pool.submit(put, d) for d in todo]
         errors = [e for e in (f.exception() for f in futures) if e is not None]
     if errors:
         raise next((e for e in errors if not isinstance(e, _Cancelled)), errors[0])
-    return [f.result() for f in futures] + [put(last, True)]
+    return [f.result() for f in futures]
 
 
-def _put(
-    blobs: Blobs,
-    key: str,
-    digest: str,
-    path: str,
-    check: Callable[[], None],
-    sync_name: bool,
-) -> int:
+def sync_names(blobs: Blobs, folder: str) -> None:
+    """On disk, one fsync of the ``blobs`` folder makes every name in it
+    durable: those just written and those an earlier attempt wrote (a failed
+    write stores some blobs and never syncs their names; its retry finds them
+    there).  A store's completed upload is durable by itself."""
+    if isinstance(blobs, LocalBlobs):
+        path = blobs.path(folder)
+        with directory_errors(blobs.url, "written"):
+            durable.fsync_dir(path)
+
+
+def _put(blobs: Blobs, key: str, digest: str, path: str, check: Callable[[], None]) -> int:
     """Stream `path` into the object `key`, published only if it hashes to `digest`."""
     hasher = blake3.blake3()
     size = 0
@@ -218,7 +223,7 @@ def _put(
     src = _open(path)
     try:
         try:
-            with blobs.upload(key, before_publish=verify, sync_name=sync_name) as up:
+            with blobs.upload(key, before_publish=verify, sync_name=False) as up:
                 while chunk := _read(src, path):
                     check()
                     hasher.update(chunk)

@@ -243,6 +243,28 @@ def test_a_source_that_does_not_match_its_digest_publishes_nothing(
     assert not [n for n in names if n.startswith("records-")]
 
 
+def test_a_retry_keeps_the_blobs_a_failed_write_stored(root: str, tmp_path: pathlib.Path) -> None:
+    """Create-only by content: a blob already stored under its digest (what a
+    failed attempt leaves), at the source's size, is kept as it is and listed
+    as this checkpoint's own."""
+    files = Files(tmp_path / "src")
+    good, other = files.add(content(1)), files.add(content(2))
+    where = join_location(root, "c1")
+    blobs = open_location(where)
+    key = f"{PKEY}/blobs/{good}"
+    assert blobs.create(key, content(1)) is None
+    before = blobs.info(key)
+    records = [
+        Record("r0", 0, attachments=files.attachments(good)),
+        Record("r1", 1, attachments=files.attachments(other)),
+    ]
+    m = write(where, "c1", records)
+    assert blobs.info(key) == before
+    assert {(r.digest, r.checkpoint) for r in m.blobs} == {(good, "c1"), (other, "c1")}
+    assert m.blob_bytes == 2 * 3000
+    assert verify_checkpoint(where).ok
+
+
 @pytest.mark.parametrize(
     "attachments",
     [{"not-a-digest": "/x"}, {"A" * 64: "/x"}, {"a" * 64: ""}],
