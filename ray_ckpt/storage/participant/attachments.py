@@ -12,12 +12,12 @@ Writing (`store_blobs`): each source is streamed, hashed as it goes, into an
 `upload` that publishes the object only once the digest matched, so a
 source that is not what its digest says never appears under that name and
 the write fails (`InvalidCheckpointState`), before the manifest.  On disk
-each blob's data is fsynced like the records; their names are made durable
-by one fsync of the ``blobs`` folder once all are stored (`sync_names`).  A digest already
-stored in this checkpoint with the source's size is kept (a retried commit;
-the name is the content); one an incremental base holds is referenced
-instead (`incremental.plan`: the reference names the checkpoint holding the
-object, flattened).
+each blob's data is fsynced like the records, and their names are made
+durable by one fsync of the ``blobs`` folder once all are stored
+(`sync_names`).  A digest already stored in this checkpoint with the
+source's size is kept (a retried commit; the name is the content); one an
+incremental base holds is referenced instead (`incremental.plan`: the
+reference names the checkpoint holding the object, flattened).
 
 Reading (`attach`): only the blobs of the records a restore keeps.  On a
 local disk the path handed back is the blob object itself, once its size and
@@ -40,7 +40,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, BinaryIO
 
 import blake3
 import msgspec
@@ -296,7 +296,10 @@ def attach(
     places = {d: _place(here, root, manifest, pkey, refs[d]) for d in wanted}
     download = any(not isinstance(holder, LocalBlobs) for holder, _key in places.values())
     made = download and attachments_dir is None
-    target = tempfile.mkdtemp(prefix="ray-ckpt-attachments-") if made else attachments_dir
+    target = attachments_dir
+    if made:
+        with _folder_errors(tempfile.gettempdir()):
+            target = tempfile.mkdtemp(prefix="ray-ckpt-attachments-")
     fetched: list[pathlib.Path] = []
     try:
         with ThreadPoolExecutor(_WORKERS, thread_name_prefix="ray-ckpt-blobs") as pool:
@@ -373,7 +376,7 @@ def _folder_errors(target: str) -> Iterator[None]:
         ) from exc
 
 
-def _verify(holder: Blobs, key: str, ref: BlobRef, out: Any) -> None:
+def _verify(holder: Blobs, key: str, ref: BlobRef, out: BinaryIO | None) -> None:
     """Stream the object through BLAKE3 (and into `out`); raise unless it has
     the size and digest `ref` records."""
     name = blob_name(holder, key)
@@ -383,20 +386,34 @@ def _verify(holder: Blobs, key: str, ref: BlobRef, out: Any) -> None:
         raise InvalidCheckpointState(f"attachment blob {name} is missing") from None
     hasher = blake3.blake3()
     size = 0
-    for chunk in chunks:
-        hasher.update(chunk)
-        size += len(chunk)
-        if size > ref.bytes:
-            break  # longer than recorded: no need to read the rest
-        if out is not None:
-            with _folder_errors(os.path.dirname(out.name)):
-                out.write(chunk)
+    with contextlib.closing(_Closing(chunks)):
+        for chunk in chunks:
+            hasher.update(chunk)
+            size += len(chunk)
+            if size > ref.bytes:
+                break  # longer than recorded: no need to read the rest
+            if out is not None:
+                with _folder_errors(os.path.dirname(out.name)):
+                    out.write(chunk)
     if size != ref.bytes:
         raise InvalidCheckpointState(
             f"truncated or extended attachment blob {name}: manifest says {ref.bytes} bytes"
         )
     if hasher.hexdigest() != ref.digest:
         raise InvalidCheckpointState(f"digest mismatch in attachment blob {name}: it is corrupt")
+
+
+class _Closing:
+    """Closes a stream left before its end (a generator holds a file or a
+    response open until then)."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._chunks = chunks
+
+    def close(self) -> None:
+        close = getattr(self._chunks, "close", None)
+        if close is not None:
+            close()
 
 
 def verify_blobs(here: Blobs, manifest: ParticipantManifest) -> None:
