@@ -305,20 +305,15 @@ class DirectorySandbox:
         box = self._open(handle)
         live = self._alive(box)
         created: list[str] = []
+        known = self._cas.known()  # here, on the loop: other captures' results change it
         self._capturing += 1
         self._no_capture.clear()
-        try:
-            known = self._cas.known()  # here, on the loop: other captures' results change it
-            found = await asyncio.to_thread(self._capture, box, known, live, created)
-            digests = {e.digest for e in found.entries if e.digest is not None}
-            self._cas.hold(digests - box.held)
-            box.held |= digests
-            box.index = found.seen
-        finally:
-            self._cas.stored(created)  # a failed capture's copies: swept later
-            self._capturing -= 1
-            if not self._capturing:
-                self._no_capture.set()
+        job = asyncio.ensure_future(asyncio.to_thread(self._capture, box, known, live, created))
+        job.add_done_callback(lambda job: self._book(box, job, created))
+        # Shielded: a cancelled capture's thread runs on, and `_book` still
+        # accounts for what it stored once it ends.
+        found = await asyncio.shield(job)
+        digests = {e.digest for e in found.entries if e.digest is not None}
         live = live or self._alive(box)
         snapshot = SandboxSnapshot(
             provider=self.name,
@@ -365,7 +360,14 @@ class DirectorySandbox:
             plans.append(_Plan(snapshot, attachments, handle, self._tree(handle)))
         if not plans:
             return []
-        indexes = await asyncio.to_thread(self._build_all, plans)
+        job = asyncio.ensure_future(asyncio.to_thread(self._build_all, plans))
+        try:
+            indexes = await asyncio.shield(job)
+        except asyncio.CancelledError:
+            # Nothing is installed; the trees the thread builds (or built,
+            # if it ended as this was cancelled) are removed once it ends.
+            job.add_done_callback(lambda job: self._discard(job, plans))
+            raise
         for plan, index in zip(plans, indexes, strict=True):
             snap = plan.snapshot
             for old in self._boxes.values():
@@ -439,6 +441,31 @@ class DirectorySandbox:
         else:
             why = "is not one of this provider's"
         raise SandboxFenced(f"sandbox {handle.sandbox_id} generation {handle.generation} {why}")
+
+    def _book(self, box: _Box, job: asyncio.Future[_Capture], created: list[str]) -> None:
+        """A capture's thread ended: its result becomes the box's index and
+        holdings, in the same step as the count of captures under way drops,
+        so no sweep runs between them and deletes a digest it reused."""
+        try:
+            if not job.cancelled() and job.exception() is None:
+                found = job.result()
+                digests = {e.digest for e in found.entries if e.digest is not None}
+                self._cas.hold(digests - box.held)
+                box.held |= digests
+                box.index = found.seen
+        finally:
+            self._cas.stored(created)  # a failed capture's copies: swept later
+            self._capturing -= 1
+            if not self._capturing:
+                self._no_capture.set()
+
+    def _discard(self, job: asyncio.Future[list[dict[str, _Seen]]], plans: Sequence[_Plan]) -> None:
+        """The trees of a cancelled restore, once its thread ended."""
+        if job.cancelled() or job.exception() is not None:
+            return  # it removed them itself
+        loop = asyncio.get_running_loop()
+        for plan in plans:
+            loop.run_in_executor(None, _rmtree, plan.tree)
 
     async def _quiet(self) -> None:
         """Until no capture is under way (one may start as soon as the last

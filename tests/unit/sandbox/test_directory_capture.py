@@ -229,3 +229,19 @@ async def test_concurrent_captures_and_frees_never_hand_out_a_deleted_file(
         for path in captured.attachments.values():
             assert pathlib.Path(path).is_file()
     assert stored(root) == {_digest(d) for d in shared}
+
+
+async def test_a_cancelled_capture_leaves_nothing_once_the_sandbox_is_freed(
+    provider: DirectorySandbox, root: pathlib.Path
+) -> None:
+    h = await provider.create("r1")
+    for i in range(40):
+        await provider.write_file(h, f"f{i}", os.urandom(200_000))
+    task = asyncio.create_task(provider.capture(h))
+    await asyncio.sleep(0.001)  # its thread is copying
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await provider.free(h)  # waits for the thread, then frees what it stored
+    assert stored(root) == set()
+    assert list((root / "cas").iterdir()) == []

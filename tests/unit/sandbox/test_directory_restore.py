@@ -3,6 +3,7 @@ free stops processes, removes the tree and the contents nobody holds."""
 
 from __future__ import annotations
 
+import asyncio
 import pathlib
 import shutil
 from collections.abc import Awaitable, Callable
@@ -24,6 +25,7 @@ from ray_ckpt.sandbox import (
     SandboxSnapshot,
     SnapshotEntry,
 )
+from tests.unit.helpers import until
 from tests.unit.sandbox.trees import listing, stored, trees
 
 
@@ -208,3 +210,20 @@ async def test_free_removes_a_tree_the_sandbox_made_read_only(
     await provider.run(h, ["chmod", "000", "src"], timeout_s=10)
     await provider.free(h)
     assert trees(root) == set()
+
+
+async def test_a_cancelled_restore_installs_nothing_and_its_trees_go(
+    provider: DirectorySandbox, root: pathlib.Path
+) -> None:
+    h = await provider.create("r1")
+    for i in range(40):
+        await provider.write_file(h, f"f{i}", b"%d" % i * 100_000)
+    captured = await provider.capture(h)
+    before = trees(root)
+    task = asyncio.create_task(provider.restore([(captured.snapshot, captured.attachments)]))
+    await asyncio.sleep(0.001)  # its thread is building
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await until(lambda: trees(root) == before, timeout=10)
+    await provider.write_file(h, "still", b"served")  # the old generation is not fenced
