@@ -139,6 +139,7 @@ class _Box:
     # asyncio's objects of its running commands: a dropped one would kill its process.
     procs: list[asyncio.subprocess.Process] = field(default_factory=list)
     deadlines: dict[int, asyncio.TimerHandle] = field(default_factory=dict)
+    freeing: asyncio.Future[None] | None = None
 
 
 class _Found(NamedTuple):
@@ -388,24 +389,35 @@ class DirectorySandbox:
     async def free(self, handle: SandboxHandle) -> None:
         """Fence it, kill its process groups, remove its tree, and delete the
         stored contents no other sandbox holds, all before returning.
-        Idempotent; an unknown handle is a no-op."""
+        Idempotent, also when called again before the first call returns
+        (each waits for the one freeing); a cancelled call does not stop the
+        freeing.  An unknown handle is a no-op."""
         box = self._boxes.get(handle)
         if box is None:
             return
-        box.fenced = True
-        for timer in box.deadlines.values():
-            timer.cancel()
-        for pgid in box.groups:
-            groups.kill(pgid)
-        await self._until_dead(box)
-        await self._quiet()  # its own capture may still be walking the tree
-        await asyncio.to_thread(_rmtree, box.tree)
-        del self._boxes[handle]
-        self._freed.add(handle)
-        self._cas.release(box.held)
-        box.held.clear()
-        await self._quiet()
-        self._cas.sweep()  # synchronous: no capture can start meanwhile
+        if box.freeing is None:
+            box.freeing = asyncio.ensure_future(self._free(box))
+        await asyncio.shield(box.freeing)
+
+    async def _free(self, box: _Box) -> None:
+        try:
+            box.fenced = True
+            for timer in box.deadlines.values():
+                timer.cancel()
+            for pgid in box.groups:
+                groups.kill(pgid)
+            await self._until_dead(box)
+            await self._quiet()  # its own capture may still be walking the tree
+            await asyncio.to_thread(_rmtree, box.tree)
+            del self._boxes[box.handle]
+            self._freed.add(box.handle)
+            self._cas.release(box.held)
+            box.held.clear()
+            await self._quiet()
+            self._cas.sweep()  # synchronous: no capture can start meanwhile
+        except BaseException:
+            box.freeing = None  # a later free tries again
+            raise
 
     async def close(self) -> None:
         """Free every sandbox and release the root.  Idempotent."""

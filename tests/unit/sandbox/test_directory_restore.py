@@ -227,3 +227,18 @@ async def test_a_cancelled_restore_installs_nothing_and_its_trees_go(
         await task
     await until(lambda: trees(root) == before, timeout=10)
     await provider.write_file(h, "still", b"served")  # the old generation is not fenced
+
+
+async def test_a_free_called_twice_at_once_returns_freed_both_times(
+    provider: DirectorySandbox, root: pathlib.Path
+) -> None:
+    h = await _episode(provider, "ra", 2)
+    bg = await provider.run(h, ["sleep", "30"], timeout_s=60, background=True)
+    first = asyncio.create_task(provider.free(h))
+    await asyncio.sleep(0)
+    first.cancel()  # the caller gives up; the freeing does not
+    await provider.free(h)  # waits for the one under way
+    assert trees(root) == set()
+    assert bg.pid is not None
+    assert not provider.alive(h)
+    await asyncio.gather(first, return_exceptions=True)
