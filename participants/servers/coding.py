@@ -15,6 +15,7 @@ checkpoint never captures a sandbox mid-step) recording its boundary:
    unittest per function;
 1. ... `steps`. **patch**: read `calc.py` back from the sandbox, rewrite one
    function (chosen by seed and step; the rewrite is right or another bug),
+   append a line to `NOTES.md` (so a step run twice shows in the files),
    write a script `scripts/step_<i>.py` that calls every function and writes
    what they return to `out/step_<i>.txt`, and run it (`sys.executable`);
    with `"background": true`, step 1 also starts a background process that
@@ -29,8 +30,9 @@ checkpoint never captures a sandbox mid-step) recording its boundary:
 
 Then the episode's sandbox is freed.  A continuation (attempt + 1 after a
 restore) goes on from its boundary in the restored sandbox.  `GET /stats`
-adds the sandboxes held, the episodes a checkpoint would restart and why
-(`sandbox_restarts`), and what captures copied.  The sandboxes live under
+adds the sandboxes held, those running a process (`processes_live`), each
+live episode's next step (`progress`), the episodes a checkpoint would
+restart and why (`sandbox_restarts`), and what captures copied.  The sandboxes live under
 `root` (default: a fresh directory under the host's temp dir), one per
 episode; `step_delay_s` holds each step open (the agent "thinking"), so a
 checkpoint can land mid-flight.
@@ -168,7 +170,11 @@ def project_files() -> dict[str, str]:
         f"    def test_{name}(self):\n        {f['test']}\n\n" for name, f in FUNCTIONS.items()
     )
     test_calc = f"import unittest\n\nimport calc\n\n\nclass CalcTests(unittest.TestCase):\n{tests}"
-    return {"calc.py": calc, "test_calc.py": test_calc.rstrip() + "\n"}
+    return {
+        "calc.py": calc,
+        "test_calc.py": test_calc.rstrip() + "\n",
+        "NOTES.md": "# what the agent did\n",
+    }
 
 
 def patch_of(seed: int, step: int) -> tuple[str, str]:
@@ -320,6 +326,11 @@ class CodingServer(ServerBase):
         name, version = patch_of(task["seed"], index)
         source = (await self.provider.read_file(handle, "calc.py")).decode()
         await self.provider.write_file(handle, "calc.py", patched(source, name, version).encode())
+        # The agent's notes grow step by step: a step run twice, or on files
+        # a later step already changed, shows in them.
+        notes = await self.provider.read_file(handle, "NOTES.md")
+        line = f"- step {index}: {name} ({version})\n".encode()
+        await self.provider.write_file(handle, "NOTES.md", notes + line)
         script = f"scripts/step_{index}.py"
         await self.provider.write_file(handle, script, step_script(index).encode())
         if background and index == 1:
@@ -381,6 +392,13 @@ class CodingServer(ServerBase):
             "live_episodes": self.steps.live_executions(),
             "restored_episodes": len(self.steps.restored_ids()),
             "sandboxes": len(sandboxes.held()),
+            # Whose sandbox runs a process now, and each live episode's next step.
+            "processes_live": sorted(
+                eid.capture_key
+                for eid in sandboxes.held()
+                if (h := sandboxes.handle(eid)) is not None and self.provider.alive(h)
+            ),
+            "progress": {ep.key: ep.boundary_state.get("next") for ep in self.steps.episodes()},
             "sandbox_restarts": self.participant.restart_reasons(),
             "sandbox_captures": sandboxes.captures,
             "sandbox_copied_bytes": sandboxes.copied_bytes,

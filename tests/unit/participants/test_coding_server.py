@@ -82,7 +82,7 @@ def test_the_agent_fixes_some_tests_and_not_others_by_seed() -> None:
     assert {v for _, v in patches} == {"right", "wrong"}
     assert {n for n, _ in patches} == set(FUNCTIONS)
     files = project_files()
-    assert set(files) == {"calc.py", "test_calc.py"}
+    assert set(files) == {"calc.py", "test_calc.py", "NOTES.md"}
     assert all(f"# == {name} ==" in files["calc.py"] for name in FUNCTIONS)
 
 
