@@ -13,6 +13,9 @@
 - `partition` — `--nodes 3 --partition`: a node cut off in a network
   namespace, declared dead, healed, its zombie fenced (on `netbed`, the test
   bed it shares with tests/partitions).
+- `sandbox` — `--sandbox`: the reference coding environment's episodes, whose
+  state is a sandbox each (one with a live background process), crashed
+  and continued; their files and rewards compared.
 
 `python -m coordination.demo` runs it too (e.g. under `ray job submit`).
 """

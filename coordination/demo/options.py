@@ -41,6 +41,9 @@ class DemoOptions:
     restore_workers: int | None = None  # the fresh fleet's count (default: workers)
     # Cut the environment's node off the network mid-flight (coordination/demo/partition.py).
     partition: bool = False
+    # Coding episodes in sandboxes, one with a live background process
+    # (coordination/demo/sandbox.py).
+    sandbox: bool = False
 
 
 def fleet_config(

@@ -10,7 +10,9 @@ cluster of N nodes the fleet spreads over, and `--kill-node` loses the node
 of the environment and agent hosts instead of killing the actors
 (`coordination/demo/nodes.py`); `--until-signal` and `--resume latest` tell
 the preemption story (`coordination/demo/preempt.py`); `--nodes 3 --partition`
-cuts a node off the network instead (`coordination/demo/partition.py`).
+cuts a node off the network instead (`coordination/demo/partition.py`);
+`--sandbox` runs coding episodes whose state is a sandbox, one with a live
+background process (`coordination/demo/sandbox.py`).
 Exit status 0 only if every result is equal, nothing was lost, and the
 checkpoint was put to the test: something was in flight when it was taken
 and some episode continued from it (`DemoReport.problems`).
@@ -286,6 +288,12 @@ def write_json(path: str, value: Any) -> None:
     help="With --nodes 3: the nodes in network namespaces; cut the environment's node "
     "mid-flight, restore, heal, show the zombie fenced (needs root, ip and nft).",
 )
+@click.option(
+    "--sandbox",
+    is_flag=True,
+    help="Coding episodes that patch and test a project in sandboxes (one with a live "
+    "background process, reported as a restart); crash mid-flight, restore, compare files.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
 def demo_cli(as_json: bool, namespace: str | None, **kwargs: Any) -> None:
     """Checkpoint a fleet mid-flight, crash it, restore, continue, compare."""
@@ -294,6 +302,8 @@ def demo_cli(as_json: bool, namespace: str | None, **kwargs: Any) -> None:
         raise click.UsageError("--kill-node needs --nodes 2 or more on the cluster the demo starts")
     if opts.nodes > 1 and opts.address is not None:
         raise click.UsageError("--nodes starts a local cluster: not with --address")
+    if opts.sandbox:
+        _sandbox(opts, as_json=as_json)
     if opts.partition:
         _partition(opts, as_json=as_json)
     preempt = opts.until_signal or opts.resume is not None
@@ -365,6 +375,48 @@ def _partition(opts: DemoOptions, *, as_json: bool) -> None:
     ui = Ui(stderr=True)
     report = partition.run_partition(opts, ui)
     sys.exit(finish(report, ui, as_json=as_json))
+
+
+def _sandbox(opts: DemoOptions, *, as_json: bool) -> None:
+    """`--sandbox`: the coding environment alone, on one host (no receipts)."""
+    from coordination.demo.sandbox import MAX_STEPS, run_sandbox_demo
+
+    others = {
+        "--nodes": opts.nodes != 1,
+        "--partition": opts.partition,
+        "--kill-node": opts.kill_node,
+        "--until-signal": opts.until_signal,
+        "--resume": opts.resume is not None,
+        "--durability async": opts.durability != "sync",
+        "--timeline": opts.timeline is not None,
+        "--workers": opts.workers != 1 or opts.restore_workers is not None,
+    }
+    if any(others.values()):
+        clash = ", ".join(k for k, v in others.items() if v)
+        raise click.UsageError(f"--sandbox tells its own story: not with {clash}")
+    if opts.steps > MAX_STEPS:
+        raise click.UsageError(f"--sandbox runs at most {MAX_STEPS} steps per episode")
+    if opts.checkpoint_dir is not None:
+        if "://" in opts.checkpoint_dir and not opts.checkpoint_dir.startswith("file://"):
+            # The sandbox bytes are counted on disk, and the demo is one machine's.
+            raise click.UsageError("--sandbox needs a local --checkpoint-dir (no store URI)")
+        _check_root(opts.checkpoint_dir, write=True)
+    if opts.address is not None:
+        from coordination.cli.ops import check_address
+
+        check_address(opts.address)
+    ui = Ui(stderr=True)
+    local = start_ray(opts.address, opts.namespace, 1)
+    try:
+        report = asyncio.run(run_sandbox_demo(opts, ui))
+    finally:
+        local.stop()
+    ui.out.print(report.table())
+    if as_json:
+        sys.stdout.write(msgspec.json.encode(report.summary()).decode() + "\n")
+    if report.problems():
+        sys.stderr.write(f"demo failed: {'; '.join(report.problems())}\n")
+    sys.exit(0 if report.ok else 1)
 
 
 def _check_root(root: str, *, write: bool) -> None:
