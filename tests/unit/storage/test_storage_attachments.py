@@ -553,3 +553,19 @@ def test_many_blobs_are_all_durable_and_listed(tmp_path: pathlib.Path) -> None:
     assert m.blobs == sorted(
         (BlobRef("c1", d, 100 + i) for i, d in enumerate(digests)), key=lambda r: r.digest
     )
+
+
+def test_a_blob_larger_than_a_part_streams_both_ways(root: str, tmp_path: pathlib.Path) -> None:
+    """Past one multipart part on a store (8 MiB), in several read chunks."""
+    files = Files(tmp_path / "src")
+    big = files.add(os.urandom(9 << 20))
+    where = join_location(root, "c1")
+    m = write(where, "c1", [Record("r0", 0, attachments=files.attachments(big))])
+    assert m.blob_bytes == 9 << 20
+    out = tmp_path / "restore"
+    out.mkdir()
+    _, got = read_participant(
+        where, kind=KIND, instance=INST, checkpoint_id="c1", attachments_dir=str(out)
+    )
+    path = pathlib.Path((got[0].attachments or {})[big])
+    assert blake3.blake3(path.read_bytes()).hexdigest() == big
