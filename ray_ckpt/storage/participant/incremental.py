@@ -149,7 +149,10 @@ def plan(
     prev = previous.manifest
     depth = prev.chain_depth + 1
     name = _sibling(here.url, previous.location)
-    if name is None or depth >= policy.full_every or not prev.frames or prev.bytes <= 0:
+    # A manifest without a frame index (an older one) is never a base; one
+    # whose records are all referenced (nothing changed) is: its references
+    # are copied, already flattened.
+    if name is None or depth >= policy.full_every or not (prev.frames or prev.refs):
         return None
     if prev.digest_algo != DIGEST_ALGO:
         # Its frames' digests are another hash: a manifest's references are

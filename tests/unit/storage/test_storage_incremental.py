@@ -164,6 +164,20 @@ def test_only_the_changed_records_are_written(root: str) -> None:
     assert {r.key for r in inc.manifest.refs} == {r.key for r in full.records} - changed
 
 
+def test_a_checkpoint_where_nothing_changed_is_still_a_base(root: str) -> None:
+    """An idle participant (every record referenced, no frame of its own)
+    must not make the checkpoint after it a full rewrite: that one writes
+    only what changed since, like any other."""
+    first = write(root, "ck-0", [rec(i, 0) for i in range(20)])
+    idle = write(root, "ck-1", first.records, first)
+    assert idle.manifest.frames == [] and len(idle.manifest.refs) == 20
+    changed = [rec(0, 2), *first.records[1:]]
+    after = write(root, "ck-2", changed, idle)
+    assert [f.key for f in after.manifest.frames] == ["r000"]
+    assert {r.checkpoint for r in after.manifest.refs} == {"ck-0"}
+    assert restored(after) == expected(after)
+
+
 def test_unchanged_version_is_referenced_without_encoding(root: str) -> None:
     (full,) = chain(root, 1)
     # Same version, a state the records format cannot even hold: it is never encoded.
