@@ -17,7 +17,7 @@ def _running(pid: int) -> bool:
     """Not gone and not a zombie (an orphan waits for init to reap it)."""
     try:
         stat = pathlib.Path(f"/proc/{pid}/stat").read_bytes()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # ESRCH: reaped between open and read
         return False
     return stat[stat.rfind(b")") + 2 :].split()[0] not in (b"Z", b"X")
 
