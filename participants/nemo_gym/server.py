@@ -183,9 +183,7 @@ class NemoGymServer:
         forwards to it)."""
         from ray_ckpt.hosting.sidecar import wrap_asgi_sidecar
 
-        app, engine = wrap_asgi_sidecar(
-            self.app(), self.participant, settings, instance=instance
-        )
+        app, engine = wrap_asgi_sidecar(self.app(), self.participant, settings, instance=instance)
         if engine is not None:
             self.attach(engine)
         return app
