@@ -40,6 +40,14 @@ wrote (their digests are known) but does not copy them into the content
 store, which keeps a restore near the cost of a plain copy: the first
 capture after a restore copies each file whose content the store does not
 hold.
+
+A freed sandbox's stored contents outlive it until the next capture (or
+`close`): an asynchronous commit writes a capture's attachments after the
+resume, while episodes run on and may finish, so freeing a sandbox must not
+delete a file that write has still to read.  The engine starts the next
+checkpoint's capture only once the previous write has ended (a write in
+flight keeps prepare from being ready), so a sweep at the start of a capture
+deletes nothing any write still reads.
 """
 
 from __future__ import annotations
@@ -194,6 +202,7 @@ class DirectorySandbox:
         with open(self._stamp_path, "ab"):
             pass
         self._boxes: dict[SandboxHandle, _Box] = {}
+        self._sweep_due = False  # a free released contents the next capture deletes
         self._freed: set[SandboxHandle] = set()
         self._generations: dict[str, int] = {}  # the highest made here, per sandbox
         # Captures under way: the store is swept only when there are none,
@@ -304,6 +313,12 @@ class DirectorySandbox:
         files changed since its previous capture (see the module docstring);
         `live` if a process of it ran before or after the walk."""
         box = self._open(handle)
+        if self._sweep_due:
+            # No write of an earlier capture runs now (module docstring).
+            await self._quiet()
+            self._sweep_due = False
+            self._cas.sweep()  # synchronous: no capture can start meanwhile
+            box = self._open(handle)  # freed or fenced while we waited?
         live = self._alive(box)
         created: list[str] = []
         known = self._cas.known()  # here, on the loop: other captures' results change it
@@ -413,8 +428,9 @@ class DirectorySandbox:
             self._freed.add(box.handle)
             self._cas.release(box.held)
             box.held.clear()
-            await self._quiet()
-            self._cas.sweep()  # synchronous: no capture can start meanwhile
+            # Not swept here: a commit's write may still read these contents
+            # (see the module docstring); the next capture sweeps them.
+            self._sweep_due = True
         except BaseException:
             box.freeing = None  # a later free tries again
             raise

@@ -8,6 +8,7 @@ import pathlib
 import shutil
 from collections.abc import Awaitable, Callable
 
+import blake3
 import msgspec
 import pytest
 
@@ -172,6 +173,10 @@ async def test_after_a_restore_the_old_generation_is_fenced_and_freed_when_retir
         await provider.read_file(new, "shared.txt")
 
 
+def _digest_of(data: bytes) -> str:
+    return blake3.blake3(data).hexdigest()
+
+
 async def _sync(fn: Callable[[SandboxHandle], object], h: SandboxHandle) -> object:
     return fn(h)
 
@@ -191,14 +196,36 @@ async def test_free_removes_the_tree_and_only_the_contents_nobody_else_holds(
     await provider.free(a)
     assert provider.alive(a) is False
     assert f"{a.sandbox_id}.g0" not in trees(root)
-    # Every version a's captures handed out is gone, but the content b holds too stays.
+    # a's contents wait for the next capture (a commit's write may still read
+    # them); that capture deletes every version a's captures handed out, but
+    # the content b holds too stays.
+    await provider.capture(b)
     assert stored(root) == cb.snapshot.digests()
     for path in cb.attachments.values():
         assert pathlib.Path(path).is_file()
 
     await provider.free(b)
+    await provider.close()
     assert stored(root) == set()
     assert trees(root) == set()
+
+
+async def test_a_freed_sandbox_s_attachments_outlive_it_until_the_next_capture(
+    provider: DirectorySandbox, root: pathlib.Path
+) -> None:
+    """An asynchronous commit writes a capture's attachments after the resume,
+    while the episode runs on: its finishing (the sandbox freed) must not
+    delete a file the write has still to read.  The engine's next capture
+    comes only after that write ended, so it may sweep them."""
+    a = await _episode(provider, "ra", 3)
+    other = await provider.create("rb")
+    captured = await provider.capture(a)
+    await provider.free(a)
+    for digest, path in captured.attachments.items():
+        assert _digest_of(pathlib.Path(path).read_bytes()) == digest  # the write reads them
+    await provider.capture(other)
+    assert stored(root) == set()
+    assert not any(pathlib.Path(p).exists() for p in captured.attachments.values())
 
 
 async def test_free_removes_a_tree_the_sandbox_made_read_only(
