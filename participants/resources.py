@@ -54,6 +54,17 @@ class SessionHooks(Protocol):
         ...
 
 
+def stage_sessions(records: Sequence[Record]) -> dict[EpisodeId, Any]:
+    """Validate exported-session records: their states keyed by attempt + 1."""
+
+    def parse(record: Record) -> Any:
+        if not isinstance(record.state, dict) or "session" not in record.state:
+            raise InvalidCheckpointState(f"session {record.key}: record needs a 'session'")
+        return record.state["session"]
+
+    return stage_records(records, parse)
+
+
 class _Request:
     __slots__ = ("counted", "episode", "route", "task")
 
@@ -97,6 +108,10 @@ class ResourcesParticipant:
         if self.mode is ResourcesMode.RESTART_ONLY:
             return []
         return [r for r in self._inflight.values() if r.counted]
+
+    def busy(self) -> set[EpisodeId]:
+        """The sessions a counted request runs in now (not at their boundary)."""
+        return {r.episode for r in self._inflight.values() if r.counted}
 
     def ready(self) -> bool:
         return not self._blocking()
@@ -152,12 +167,7 @@ class ResourcesParticipant:
             self._installed = True
             return []
 
-        def parse(record: Record) -> Any:
-            if not isinstance(record.state, dict) or "session" not in record.state:
-                raise InvalidCheckpointState(f"session {record.key}: record needs a 'session'")
-            return record.state["session"]
-
-        staged = stage_records(records, parse)
+        staged = stage_sessions(records)
         await self.hooks.restore_session_states(staged)
         self.sessions.update(staged)
         self.restored.update(staged)

@@ -5,7 +5,10 @@ An environment (or resources) server whose episodes work in a tool sandbox
 the episode's record at the checkpoint's boundary, restored with it, and
 freed when the attempt is retired.  `EpisodeSandboxes` is the part any kind
 can hold (the handles, the open checkpoint's decisions, capture, restore,
-free); `SandboxedEnvironment` is the environment participant built on it.
+free); `SandboxedEnvironment` is the environment participant built on it,
+`SandboxedResources` the resources participant (exported sessions, each
+session's sandbox in its record; a session is at its boundary when no counted
+request of it is in flight).
 
 What a checkpoint does with a sandboxed episode:
 
@@ -49,6 +52,7 @@ from typing import Any
 import msgspec
 
 from participants.environment import EnvironmentParticipant
+from participants.resources import ResourcesMode, ResourcesParticipant, SessionHooks, stage_sessions
 from ray_ckpt.errors import (
     InvalidCheckpointState,
     InvalidPhase,
@@ -279,6 +283,24 @@ class EpisodeSandboxes:
         return sorted(set(keys))
 
 
+def _refuse_restarts_in(scope: Sequence[EpisodeId] | None, restarts: Mapping[str, str]) -> None:
+    """A commit scope may not name an episode whose sandbox cannot continue."""
+    if scope is None:
+        return
+    named = sorted(e.capture_key for e in scope if e.capture_key in restarts)
+    if named:
+        raise RestartInScope(
+            f"commit scope names episodes whose sandbox cannot continue {named} "
+            f"({', '.join(sorted(set(restarts[k] for k in named)))})"
+        )
+
+
+def _with_restarts(report: PrepareReport, restarts: Mapping[str, str]) -> PrepareReport:
+    if not restarts:
+        return report
+    return msgspec.structs.replace(report, restarts=sorted(set(report.restarts) | set(restarts)))
+
+
 def _previous(eid: EpisodeId) -> EpisodeId:
     """The attempt a restored one (attempt >= 1) continues."""
     return EpisodeId(eid.rollout_id, eid.attempt - 1)
@@ -327,22 +349,11 @@ class SandboxedEnvironment(EnvironmentParticipant):
         return self.sandboxes.restarts(self._settled())
 
     def report(self, limit: int) -> PrepareReport:
-        report = super().report(limit)
-        sandboxed = self.restart_reasons()
-        if not sandboxed:
-            return report
-        restarts = sorted(set(report.restarts) | set(sandboxed))
-        return msgspec.structs.replace(report, restarts=restarts)
+        return _with_restarts(super().report(limit), self.restart_reasons())
 
     async def export(self, scope: Sequence[EpisodeId] | None) -> list[Record]:
         restarts = self.restart_reasons()
-        if scope is not None:
-            named = sorted(e.capture_key for e in scope if e.capture_key in restarts)
-            if named:
-                raise RestartInScope(
-                    f"commit scope names episodes whose sandbox cannot continue {named} "
-                    f"({', '.join(sorted(set(restarts[k] for k in named)))})"
-                )
+        _refuse_restarts_in(scope, restarts)
         records = await super().export(scope)
         if scope is None:
             records = [r for r in records if r.key not in restarts]
@@ -394,6 +405,91 @@ class SandboxedEnvironment(EnvironmentParticipant):
         await self.sandboxes.drop(
             r.episode_id for r in records if not is_result_key(r.key) and isinstance(r.state, dict)
         )
+
+
+class SandboxedResources(ResourcesParticipant):
+    """The resources participant (exported mode) whose sessions each own a sandbox.
+
+    The server creates a session's sandbox through `sandboxes.create(session)`
+    and finds a restored one by `sandboxes.handle(attempt)`, like an
+    environment's episode; the session's own state leaves and returns through
+    its `SessionHooks`, the sandbox along with it in the same record.  A
+    session is at its boundary when no counted request of it is in flight, so
+    every sandbox command must run inside a counted request (`enter` ...
+    `leave`): a checkpoint then never captures it mid-command, and requests
+    arriving meanwhile wait for the resume.  An uncounted (replayable) request
+    must not touch the sandbox."""
+
+    def __init__(self, hooks: SessionHooks, provider: SandboxProvider) -> None:
+        # Only an exported session has a record to carry its sandbox in.
+        super().__init__(hooks, mode=ResourcesMode.EXPORTED)
+        self.sandboxes = EpisodeSandboxes(provider)
+
+    # --- the open checkpoint ------------------------------------------------------
+
+    def close_admission(self) -> None:
+        self.sandboxes.window_closed()
+        super().close_admission()
+
+    def open_admission(self) -> None:
+        super().open_admission()
+        self.sandboxes.window_opened()
+
+    def restart_reasons(self) -> dict[str, str]:
+        """Capture key -> why, for the sandboxed sessions that cannot continue now."""
+        busy = self.busy()
+        return self.sandboxes.restarts(e for e in self.sandboxes.held() if e not in busy)
+
+    def report(self, limit: int) -> PrepareReport:
+        return _with_restarts(super().report(limit), self.restart_reasons())
+
+    async def export(self, scope: Sequence[EpisodeId] | None) -> list[Record]:
+        restarts = self.restart_reasons()
+        _refuse_restarts_in(scope, restarts)
+        if scope is None:
+            # The hooks are never asked for a session that restarts.
+            scope = sorted(e for e in self.sessions if e.capture_key not in restarts)
+        return await self.sandboxes.capture(await super().export(scope))
+
+    # --- restore ---------------------------------------------------------------
+
+    async def install(self, records: Sequence[Record]) -> list[EpisodeId]:
+        plain, staged = self.sandboxes.stage(records)
+        # The sessions' own records are checked before any sandbox is made.
+        stage_sessions(plain)
+        await self.sandboxes.restore(staged)
+        try:
+            installed = await super().install(plain)
+        except BaseException:
+            await _shielded(self.sandboxes.drop(eid for eid, _, _ in staged))
+            raise
+        await self.sandboxes.fence_replaced()
+        return installed
+
+    async def delete_restored(self, keep: Sequence[EpisodeId]) -> list[str]:
+        kept = set(keep)
+        unkept = [e for e in self.restored if e not in kept]
+        freed = await super().delete_restored(keep)
+        dropped = await self.sandboxes.drop(unkept)
+        return sorted(set(freed) | set(dropped))
+
+    # --- retire and the end of a session -----------------------------------------
+
+    async def retire(self, episode_ids: Sequence[EpisodeId]) -> list[str]:
+        keys = await super().retire(episode_ids)
+        # After the session's requests stopped: no command runs in it any more.
+        freed = await self.sandboxes.retire(episode_ids)
+        return sorted(set(keys) | set(freed))
+
+    async def end_session(self, episode: EpisodeId) -> bool:
+        known = await super().end_session(episode)
+        await self.sandboxes.drop([episode])
+        return known
+
+    async def park_exported(self, records: list[Record]) -> None:
+        """A durable commit that stops the server: the exported sessions'
+        sandboxes are in the checkpoint, so their processes and files go."""
+        await self.sandboxes.drop(r.episode_id for r in records if not is_result_key(r.key))
 
 
 async def _shielded(work: Coroutine[Any, Any, Any]) -> None:
