@@ -270,11 +270,10 @@ class SandboxFileTooLarge(SandboxRefused):
     """A file over the provider's size bound (written, or found at a snapshot)."""
 
 
-class SandboxUnsupported(CheckpointError):
+class SandboxUnsupported(InvalidPhase):
     """A snapshot or restore asked of a provider that declares it cannot: its
-    episodes are restart-only, and the participant never asks."""
-
-    reason = Reason.INVALID_PHASE
+    episodes are restart-only, and the participant never asks.  On the wire
+    it is `invalid_phase` (and comes back as `InvalidPhase`)."""
 
 
 class ParticipantNotFresh(CheckpointError):
