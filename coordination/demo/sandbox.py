@@ -35,7 +35,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,9 +57,14 @@ from ray_ckpt.identity import EpisodeId
 
 CODING_FACTORY = "participants.servers.coding:coding_server"
 KIND = "environment"
-# The rollout that starts a background process: the first, and the long one
-# (`BACKGROUND_EXTRA_STEPS` more patches than the others), so its process
-# still runs when the last rollout has started and the checkpoint lands.
+# The rollout that starts a background process, and the long one
+# (`BACKGROUND_EXTRA_STEPS` more patches than the others).  The checkpointed
+# run starts it in the middle, so when the checkpoint lands (once every
+# rollout has begun and its process runs) it is halfway through its patches,
+# on a fast machine as on a slow one: started first, it raced the stagger,
+# and on an idle machine its patches ran out (its process stopped by its
+# tests) before the last rollout began; started last, the short ones before
+# it were nearly all done.
 BACKGROUND_ROLLOUT = "r0"
 BACKGROUND_EXTRA_STEPS = 12
 MAX_STEPS = MAX_PATCH_STEPS - BACKGROUND_EXTRA_STEPS
@@ -78,6 +83,15 @@ def sandbox_tasks(n: int, steps: int, seed: int) -> dict[str, dict[str, Any]]:
             task["steps"] = steps
         tasks[rollout] = task
     return tasks
+
+
+def start_order(rollouts: Iterable[str]) -> list[str]:
+    """The rollouts in the order the checkpointed run starts them: the
+    background one in the middle (see `BACKGROUND_ROLLOUT`)."""
+    every = list(rollouts)
+    others = [r for r in every if r != BACKGROUND_ROLLOUT]
+    middle = (len(every) - 1) // 2
+    return [*others[:middle], BACKGROUND_ROLLOUT, *others[middle:]]
 
 
 def coding_spec(config: FleetConfig, *, name: str, root: str, step_delay_s: float) -> ServerSpec:
@@ -308,7 +322,7 @@ async def run_sandbox_demo(opts: DemoOptions, ui: Ui) -> SandboxReport:
             rollouts = Rollouts(dict(tasks))
             async with data_session(256, 256) as session:
                 with ui.phase("episodes until mid-flight", total=None):
-                    for i, rollout in enumerate(rollouts.tasks):
+                    for i, rollout in enumerate(start_order(rollouts.tasks)):
                         rollouts.start(
                             session, fleet.urls[KIND], rollout, delay_s=i * opts.stagger_s
                         )

@@ -128,3 +128,13 @@ def test_sandbox_bytes_are_the_blobs_of_the_checkpoint(tmp_path: Path) -> None:
     (blobs / ("b" * 64)).write_bytes(b"y" * 5)
     (root / "gym" / "environment" / "ref-coding" / "records").write_bytes(b"z" * 100)
     assert blob_bytes(str(root)) == 15
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 9])
+def test_the_background_rollout_starts_in_the_middle(n: int) -> None:
+    """The checkpoint lands once every rollout has begun: the background
+    rollout started first had finished its patches by then on an idle
+    machine (its process stopped: nothing to restart), so it starts halfway."""
+    order = sandbox.start_order(sandbox_tasks(n, 4, 0))
+    assert sorted(order) == sorted(f"r{i}" for i in range(n))
+    assert order.index(sandbox.BACKGROUND_ROLLOUT) == (n - 1) // 2
