@@ -131,18 +131,25 @@ class Cluster:
         raylet is told it is dead); how long that took."""
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
-            left = [c for c in map(_cmdline, self.bed.processes(node)) if not _tailer(c)]
+            found = map(_cmdline, self.bed.processes(node))
+            left = [c for c in found if c is not None and not _tailer(c)]
             if not left:
                 return {"gone": True, "after_s": round(time.monotonic() - t0, 2)}
             time.sleep(0.2)
         return {"gone": False, "left": left}
 
 
-def _cmdline(pid: int) -> str:
+def _cmdline(pid: int) -> str | None:
+    """A running process's command line; None if it has ended: vanished
+    since it was listed, or a zombie waiting to be reaped (which once
+    counted as left and kept a node whose processes had ended 'alive')."""
     try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        if stat.rpartition(")")[2].split()[0] == "Z":
+            return None
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
-    except OSError:
-        return f"{pid} (gone)"
+    except (OSError, IndexError):
+        return None
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
